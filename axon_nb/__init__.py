@@ -1,0 +1,57 @@
+"""axon_nb: train PyTorch models across many GPUs from a Jupyter notebook.
+
+Example::
+
+    %load_ext axon_nb
+    %axon_cluster 4
+
+or from Python::
+
+    with axon_nb.Cluster(n=4) as cluster:
+        cluster.run(fn)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from axon_nb.cluster import Cluster, ClusterOptions
+from axon_nb.errors import (
+    AxonError,
+    ClusterBrokenError,
+    ClusterStartError,
+    NoClusterError,
+    RankDiedError,
+    RankError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxonError",
+    "Cluster",
+    "ClusterBrokenError",
+    "ClusterOptions",
+    "ClusterStartError",
+    "NoClusterError",
+    "RankDiedError",
+    "RankError",
+    "load_ipython_extension",
+    "unload_ipython_extension",
+]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """Register the ``%axon_cluster``, ``%%axon`` and ``%axon_run`` magics (``%load_ext axon_nb``)."""
+    from axon_nb.magics import AxonMagics
+
+    ipython.register_magics(AxonMagics(ipython))
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    """Stop the extension's cluster, if one is running (``%unload_ext axon_nb``)."""
+    from axon_nb.magics import AxonMagics
+
+    magics = ipython.magics_manager.registry.get(AxonMagics.__name__)
+    if magics is not None:
+        magics.stop_cluster()

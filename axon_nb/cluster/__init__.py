@@ -1,0 +1,6 @@
+"""Kernel-side cluster lifecycle: start, run, signal, restart, stop. Never imports torch."""
+
+from axon_nb.cluster.cluster import Cluster
+from axon_nb.cluster.options import ClusterOptions
+
+__all__ = ["Cluster", "ClusterOptions"]

@@ -1,0 +1,323 @@
+"""``Cluster``: a set of persistent ranks (ipyparallel engines) joined in one torch world."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ipyparallel as ipp
+
+from axon_nb.cluster import reaper
+from axon_nb.cluster.launchers import LAUNCHERS
+from axon_nb.cluster.options import ClusterOptions
+from axon_nb.cluster.waiting import interrupt_with, results, wait_for_ranks
+from axon_nb.engine import bootstrap, script
+from axon_nb.engine.placement import PlacementError, plan_world
+from axon_nb.errors import (
+    AxonError,
+    ClusterBrokenError,
+    ClusterStartError,
+    NoClusterError,
+    RankDiedError,
+    RankError,
+)
+
+
+class Cluster:
+    """Persistent ranks for distributed PyTorch, started with MPI and joined by torch.distributed.
+
+    Example::
+
+        import axon_nb
+
+        def hello(x):
+            import torch.distributed as dist
+            return dist.get_rank() * x
+
+        with axon_nb.Cluster(n=4) as cluster:
+            print(cluster.run(hello, 10))   # [0, 10, 20, 30]
+    """
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        engines: str = "mpi",
+        backend: str = "auto",
+        gpus: Sequence[int] | None = None,
+        timeout: float = 300.0,
+        start_timeout: float = 180.0,
+    ) -> None:
+        self.options = ClusterOptions(
+            n=n,
+            engines=engines,
+            backend=backend,
+            gpus=tuple(gpus) if gpus is not None else None,
+            timeout=timeout,
+            start_timeout=start_timeout,
+        )
+        self._ipp: ipp.Cluster | None = None
+        self._client: ipp.Client | None = None
+        self._reaper: Any = None
+        self._broken: str | None = None
+        self.ranks: list[dict[str, Any]] = []
+        """One summary per rank (rank, host, pid, device, backend, ...), in rank order."""
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """True once the world is joined and until :meth:`stop`."""
+        return self._client is not None and bool(self.ranks)
+
+    @property
+    def client(self) -> ipp.Client:
+        """The ipyparallel client connected to the ranks (engine id == rank)."""
+        if self._client is None:
+            raise NoClusterError(
+                "the cluster is not running: call cluster.start() or use `%axon_cluster N`"
+            )
+        return self._client
+
+    def start(self) -> Cluster:
+        """Start the controller and engines, and join every rank to the torch world.
+
+        On any failure everything started so far is stopped before the error is raised.
+        """
+        if self._ipp is not None:
+            raise AxonError("the cluster is already running; stop() or restart() it first")
+        opts = self.options
+        cluster = ipp.Cluster(n=opts.n, engines=opts.engines, log_level=logging.WARNING)
+        LAUNCHERS[opts.engines](cluster)  # may raise (no mpiexec) before anything starts
+        self._ipp = cluster
+        try:
+            cluster.start_controller_sync()
+            cluster.start_engines_sync(opts.n)
+            self._reaper = reaper.spawn(os.getpid(), cluster.cluster_file)
+            self._client = cluster.connect_client_sync()
+            self._wait_for_engines()
+            self.ranks = self._join_world()
+        except BaseException as e:
+            launcher_output = self._launcher_output()
+            self.stop()
+            if isinstance(e, AxonError | KeyboardInterrupt):
+                raise
+            raise ClusterStartError(f"{e}{launcher_output}") from e
+        self._broken = None
+        return self
+
+    def stop(self) -> None:
+        """Stop engines and controller. Safe to call twice."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._ipp is not None:
+            self._ipp.stop_cluster_sync()
+            self._ipp = None
+        if self._reaper is not None:
+            self._reaper.wait(timeout=10)  # it exits once the cluster file is gone
+            self._reaper = None
+        self.ranks = []
+
+    def restart(self) -> Cluster:
+        """Stop everything and start fresh ranks with the same options."""
+        self.stop()
+        return self.start()
+
+    def __enter__(self) -> Cluster:
+        return self.start() if not self.running else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        if self._broken:
+            state = "broken"
+        return f"<axon_nb.Cluster n={self.options.n} engines={self.options.engines} {state}>"
+
+    # -- running code ----------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        stream: bool = True,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank (or ``ranks``); results in rank order.
+
+        Output streams while it runs, labelled by rank. Ctrl-C interrupts the ranks and leaves
+        the cluster usable. Example::
+
+            cluster.run(lambda: torch.distributed.get_rank())   # [0, 1, 2, 3]
+        """
+        targets = self._targets(ranks)
+        ar = self.client[targets].apply_async(fn, *args, **kwargs)
+        return results(self._wait(ar, targets, stream=stream))
+
+    def execute(
+        self, code: str, *, ranks: Sequence[int] | None = None, stream: bool = True
+    ) -> dict[int, ipp.AsyncResult]:
+        """Run ``code`` in every rank's persistent namespace; returns the finished parts by rank.
+
+        Example::
+
+            cluster.execute("x = rank * 2")
+            cluster.run(lambda: x)   # NameError: functions see their own globals, not the cell's
+        """
+        targets = self._targets(ranks)
+        ar = self.client[targets].execute(code, silent=False, block=False)
+        return self._wait(ar, targets, stream=stream)
+
+    def run_script(self, path: str, args: Sequence[str] = ()) -> list[int]:
+        """Run an unmodified torchrun-style script on every rank (fresh processes, own world).
+
+        Returns each rank's exit code (all 0, else :class:`RankError`). Example::
+
+            cluster.run_script("train.py", ["--epochs", "1"])
+        """
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no such script: {path!r} (relative to {os.getcwd()})")
+        targets = self._targets(None)
+        ar = self.client[targets].apply_async(
+            script.run_script, os.path.abspath(path), list(args), os.getcwd()
+        )
+        return results(self._wait(ar, targets, stream=True))
+
+    def interrupt(self, ranks: Sequence[int] | None = None) -> None:
+        """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
+        interrupt_with(self.client)(self._targets(ranks))
+
+    def table(self) -> str:
+        """The ranks as a text table: rank, host, pid, device, backend."""
+        rows = [("rank", "host", "pid", "device", "backend")]
+        rows += [
+            (str(r["rank"]), r["host"], str(r["pid"]), r["device"], r["backend"])
+            for r in self.ranks
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                         for row in rows)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _targets(self, ranks: Sequence[int] | None) -> list[int]:
+        if not self.running:
+            raise NoClusterError(
+                "no cluster is running: start one with `%axon_cluster N` or "
+                "`axon_nb.Cluster(n=N).start()`"
+            )
+        if self._broken:
+            raise ClusterBrokenError(
+                f"{self._broken}. Run `%axon_cluster --restart` (or cluster.restart()) to "
+                "start fresh ranks"
+            )
+        world = list(range(len(self.ranks)))
+        if ranks is None:
+            return world
+        bad = [r for r in ranks if r not in world]
+        if bad or not ranks:
+            raise ValueError(
+                f"ranks must be a non-empty subset of 0..{len(world) - 1}, got {list(ranks)}"
+            )
+        return sorted(set(ranks))
+
+    def _wait(
+        self,
+        ar: ipp.AsyncResult,
+        targets: list[int],
+        *,
+        stream: bool,
+        timeout: float | None = None,
+    ) -> dict[int, ipp.AsyncResult]:
+        try:
+            return wait_for_ranks(
+                ar, targets, interrupt=interrupt_with(self.client), stream=stream, timeout=timeout
+            )
+        except RankDiedError as e:
+            self._broken = f"rank {e.rank} died"
+            raise
+
+    def _wait_for_engines(self) -> None:
+        n, timeout = self.options.n, self.options.start_timeout
+        try:
+            self.client.wait_for_engines(n, timeout=timeout, interactive=False)
+        except TimeoutError:
+            raise ClusterStartError(
+                f"only {len(self.client.ids)} of {n} engines connected within {timeout:.0f} s"
+                f"{self._launcher_output()}"
+            ) from None
+
+    def _join_world(self) -> list[dict[str, Any]]:
+        spec = bootstrap.BootstrapSpec(
+            backend=self.options.backend, gpus=self.options.gpus, timeout_s=self.options.timeout
+        )
+        targets = sorted(self.client.ids)
+        try:
+            if self.options.engines == "mpi":
+                ar = self.client[targets].apply_async(bootstrap.bootstrap_mpi, spec)
+                summaries = results(self._wait_start(ar, targets))
+            else:
+                summaries = self._join_world_from_kernel(spec, targets)
+        except RankError as e:
+            if e.ename == "PlacementError":
+                raise ClusterStartError(e.evalue) from None
+            raise ClusterStartError(f"rank {e.rank} failed to start: {e}\n{e.traceback}") from None
+        mismatched = [(t, s["rank"]) for t, s in zip(targets, summaries, strict=True)
+                      if t != s["rank"]]
+        if mismatched:
+            raise ClusterStartError(f"engine ids and ranks differ: {mismatched}")
+        return summaries
+
+    def _join_world_from_kernel(self, spec: bootstrap.BootstrapSpec, targets: list[int]
+                                ) -> list[dict[str, Any]]:
+        """Engines without MPI: all on this host; the kernel plans, each rank joins."""
+        n = len(targets)
+        probes = results(self._wait_start(
+            self.client[targets].apply_async(_probe_by_engine_id, n), targets))
+        try:
+            plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
+        except PlacementError as e:
+            raise ClusterStartError(str(e)) from None
+        ars = [self.client[t].apply_async(bootstrap.join_world, plans[t], spec.timeout_s)
+               for t in targets]
+        merged = ipp.AsyncResult(self.client, [m for a in ars for m in a.msg_ids],
+                                 targets=targets)
+        return results(self._wait_start(merged, targets))
+
+    def _wait_start(self, ar: ipp.AsyncResult, targets: list[int]) -> dict[int, ipp.AsyncResult]:
+        return self._wait(ar, targets, stream=True, timeout=self.options.start_timeout)
+
+    def _launcher_output(self) -> str:
+        """The tail of what the engine launcher (mpiexec) printed, to explain a failed start."""
+        if self._ipp is None:
+            return ""
+        tails = []
+        for launcher in self._ipp.engines.values():
+            try:
+                text = launcher.get_output()
+            except Exception:
+                continue
+            lines = [ln for ln in text.splitlines() if "[IPEngine" not in ln][-15:]
+            if lines:
+                tails.append("\n".join(lines))
+        return ("\nengine launcher output:\n" + "\n".join(tails)) if tails else ""
+
+
+def _probe_by_engine_id(world_size: int) -> Any:
+    """Probe for engines without MPI: rank is the engine id, every rank on this host."""
+    from axon_nb.engine.bootstrap import probe
+
+    rank = _engine_id()
+    return probe(rank, rank, world_size)
+
+
+def _engine_id() -> int:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return int(shell.kernel.engine_id)  # ipyparallel engines expose their id on the kernel

@@ -1,0 +1,60 @@
+"""Stop a cluster once the process that started it is gone, even if it was SIGKILLed.
+
+ipyparallel stops clusters from ``atexit``, which a killed kernel never runs. This watcher is
+started in its own session beside every cluster and lives only as long as the cluster file.
+
+Usage: ``python -m axon_nb.cluster.reaper PARENT_PID CLUSTER_FILE``
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+POLL_S = 0.5
+
+
+def spawn(parent_pid: int, cluster_file: str) -> subprocess.Popen[bytes]:
+    """Start the watcher for ``cluster_file`` in a new session (so kernel signals miss it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "axon_nb.cluster.reaper", str(parent_pid), cluster_file],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def watch(parent_pid: int, cluster_file: str) -> bool:
+    """Block until the cluster is stopped normally (False) or its parent dies (True)."""
+    while os.path.exists(cluster_file):
+        if not _alive(parent_pid):
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+def main(argv: list[str]) -> int:
+    parent_pid, cluster_file = int(argv[0]), argv[1]
+    if not watch(parent_pid, cluster_file):
+        return 0
+    import ipyparallel as ipp
+
+    cluster = ipp.Cluster.from_file(cluster_file)
+    cluster.stop_cluster_sync()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

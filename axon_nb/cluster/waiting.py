@@ -1,0 +1,209 @@
+"""Wait for work on the ranks: stream their output, surface the first failure, forward Ctrl-C.
+
+Everything here polls public ipyparallel AsyncResult state from the kernel's main thread, so a
+KeyboardInterrupt lands here and can be forwarded to the engines as SIGINT.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+import ipyparallel as ipp
+from ipyparallel import error as ipp_error
+
+from axon_nb.errors import AxonError, RankDiedError, RankError
+
+POLL_S = 0.05
+FAILURE_GRACE_S = 2.0
+"""After one rank fails, how long the others get to finish or fail on their own."""
+INTERRUPT_GRACE_S = 10.0
+"""After SIGINT, how long ranks get to unwind before the kernel stops waiting."""
+
+
+class RankStreams:
+    """Copies each rank's stdout/stderr to the notebook as it arrives, one label per line."""
+
+    def __init__(self, parts: dict[int, ipp.AsyncResult], out: TextIO, err: TextIO) -> None:
+        self._parts = parts
+        self._files = {"stdout": out, "stderr": err}
+        self._seen: dict[tuple[int, str], int] = {}
+        self._at_line_start: dict[tuple[int, str], bool] = {}
+
+    def flush(self) -> None:
+        for rank, part in self._parts.items():
+            for name, file in self._files.items():
+                text = getattr(part, name) or ""
+                if isinstance(text, list):  # a single-target result still wraps in a list
+                    text = "".join(text)
+                key = (rank, name)
+                start = self._seen.get(key, 0)
+                if len(text) <= start:
+                    continue
+                self._seen[key] = len(text)
+                file.write(self._label(key, text[start:], f"[rank {rank}] "))
+                file.flush()
+
+    def _label(self, key: tuple[int, str], chunk: str, prefix: str) -> str:
+        at_start = self._at_line_start.get(key, True)
+        pieces = []
+        for line in chunk.splitlines(keepends=True):
+            pieces.append(prefix + line if at_start else line)
+            at_start = line.endswith("\n")
+        self._at_line_start[key] = at_start
+        return "".join(pieces)
+
+
+def wait_for_ranks(
+    ar: ipp.AsyncResult,
+    ranks: list[int],
+    *,
+    interrupt: Callable[[list[int]], None],
+    timeout: float | None = None,
+    stream: bool = True,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> dict[int, ipp.AsyncResult]:
+    """Wait for ``ar`` (one message per rank, in ``ranks`` order) and return its parts by rank.
+
+    Raises :class:`RankError` (or :class:`RankDiedError`) for the lowest failing rank as soon
+    as a failure is known, after giving the other ranks a short grace period and interrupting
+    those still running. Ctrl-C interrupts the ranks with SIGINT, waits for them to unwind
+    and re-raises ``KeyboardInterrupt``.
+    """
+    parts = dict(zip(ranks, ar.split(), strict=True))
+    streams = RankStreams(parts, out or sys.stdout, err or sys.stderr) if stream else None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while not all(p.ready() for p in parts.values()):
+            _flush(streams)
+            if _failed(parts):
+                _settle_after_failure(parts, interrupt, streams)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                running = _running(parts)
+                interrupt(running)
+                raise AxonError(
+                    f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
+                    "they were interrupted"
+                )
+            time.sleep(POLL_S)
+    except KeyboardInterrupt:
+        _forward_interrupt(parts, interrupt, streams)
+        raise
+    _flush(streams)
+    _raise_failures(parts)
+    return parts
+
+
+def _flush(streams: RankStreams | None) -> None:
+    if streams is not None:
+        streams.flush()
+
+
+def _running(parts: dict[int, ipp.AsyncResult]) -> list[int]:
+    return [r for r, p in parts.items() if not p.ready()]
+
+
+def _failed(parts: dict[int, ipp.AsyncResult]) -> list[int]:
+    return [r for r, p in parts.items() if p.ready() and not p.successful()]
+
+
+def _settle_after_failure(
+    parts: dict[int, ipp.AsyncResult],
+    interrupt: Callable[[list[int]], None],
+    streams: RankStreams | None,
+) -> None:
+    # Others usually fail right after (a peer left a collective); collect those errors too.
+    if _wait_until_ready(parts, FAILURE_GRACE_S, streams):
+        return
+    running = _running(parts)
+    interrupt(running)
+    _wait_until_ready(parts, INTERRUPT_GRACE_S, streams)
+
+
+def _forward_interrupt(
+    parts: dict[int, ipp.AsyncResult],
+    interrupt: Callable[[list[int]], None],
+    streams: RankStreams | None,
+) -> None:
+    running = _running(parts)
+    if not running:
+        return
+    print(f"Interrupting ranks {_fmt(running)} ...", file=sys.stderr)
+    interrupt(running)
+    try:
+        if not _wait_until_ready(parts, INTERRUPT_GRACE_S, streams):
+            print(
+                f"ranks {_fmt(_running(parts))} are still busy {INTERRUPT_GRACE_S:.0f} s after "
+                "SIGINT (stuck in native code?); `%axon_cluster --restart` starts fresh ranks",
+                file=sys.stderr,
+            )
+    except KeyboardInterrupt:
+        pass  # a second Ctrl-C: stop waiting, the first one is being re-raised
+
+
+def _wait_until_ready(
+    parts: dict[int, ipp.AsyncResult], seconds: float, streams: RankStreams | None
+) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        _flush(streams)
+        if all(p.ready() for p in parts.values()):
+            _flush(streams)
+            return True
+        time.sleep(POLL_S)
+    return False
+
+
+def _raise_failures(parts: dict[int, ipp.AsyncResult]) -> None:
+    failed = _failed(parts)
+    if not failed:
+        return
+    # A dead rank explains everyone else's failure, so report it first.
+    errors = {r: parts[r].exception() for r in failed}
+    died = [r for r, e in errors.items() if _is_engine_death(e)]
+    rank = min(died or failed)
+    exc = errors[rank]
+    if died:
+        raise RankDiedError(rank, "EngineError", "its process exited", "", failed) from None
+    ename, evalue, tb = _describe(exc)
+    raise RankError(rank, ename, evalue, tb, failed) from None
+
+
+def _is_engine_death(exc: BaseException | None) -> bool:
+    if isinstance(exc, ipp_error.EngineError):
+        return True
+    return isinstance(exc, ipp_error.RemoteError) and exc.ename == "EngineError"
+
+
+def _describe(exc: BaseException | None) -> tuple[str, str, str]:
+    if isinstance(exc, ipp_error.RemoteError):
+        tb = exc.traceback if isinstance(exc.traceback, str) else "\n".join(exc.traceback or [])
+        return str(exc.ename), str(exc.evalue), tb
+    return type(exc).__name__, str(exc), ""
+
+
+def _fmt(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def interrupt_with(client: ipp.Client) -> Callable[[list[int]], None]:
+    """An ``interrupt`` callback that sends SIGINT to ranks through their ipyparallel nannies."""
+
+    def interrupt(ranks: list[int]) -> None:
+        if ranks:
+            try:
+                client.send_signal(signal.SIGINT, targets=ranks, block=True)
+            except Exception as e:  # a dead engine cannot be signalled; the caller reports it
+                print(f"could not signal ranks {_fmt(ranks)}: {e}", file=sys.stderr)
+
+    return interrupt
+
+
+def results(parts: dict[int, ipp.AsyncResult]) -> list[Any]:
+    """The successful results, in rank order."""
+    return [parts[r].get() for r in sorted(parts)]

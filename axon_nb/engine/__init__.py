@@ -1,0 +1,1 @@
+"""Code that runs on the ranks (ipyparallel engines). Never imports widgets."""

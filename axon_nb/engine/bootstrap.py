@@ -1,0 +1,153 @@
+"""Join a freshly started engine to the torch.distributed world.
+
+Runs on every rank right after the engines connect. Under MPI the ranks talk among themselves
+(rank, local rank and the rendezvous port come over MPI); for engines started without MPI the
+kernel gathers the probes and hands each rank its plan.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from axon_nb.engine import runtime
+from axon_nb.engine.placement import PlacementError, Probe, RankPlan, plan_world
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BootstrapSpec:
+    """What the kernel asks of every rank."""
+
+    backend: str = "auto"
+    """``auto`` (nccl when every rank has a GPU, else gloo), ``nccl`` or ``gloo``."""
+    gpus: tuple[int, ...] | None = None
+    """CUDA device indices to use on each host; ``None`` means all visible devices."""
+    timeout_s: float = 300.0
+    """Timeout of collectives, in seconds."""
+
+
+def probe(rank: int, local_rank: int, local_world_size: int) -> Probe:
+    """Describe this engine: host, pid, visible GPUs and a free port."""
+    import torch  # engine side: counting devices is fine here, the kernel never does it
+
+    host = socket.gethostname()
+    return Probe(
+        rank=rank,
+        host=host,
+        ip=_host_ip(host),
+        pid=os.getpid(),
+        num_gpus=torch.cuda.device_count(),
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        free_port=free_port(),
+    )
+
+
+def bootstrap_mpi(spec: BootstrapSpec) -> dict[str, Any]:
+    """Probe, agree on a plan over MPI and join the world. Returns this rank's summary."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    try:
+        mine = probe(rank, node.Get_rank(), node.Get_size())
+    finally:
+        node.Free()
+    # Every rank plans from the same probes, so all of them raise the same error or none does.
+    probes = comm.allgather(mine)
+    plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
+    return join_world(plans[rank], spec.timeout_s)
+
+
+def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
+    """Bind the device, export the torchrun environment and initialize the process group."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("this engine already belongs to a process group; restart the cluster")
+    all_local = plan.master_addr == "127.0.0.1"
+    os.environ.update(_torchrun_env(plan))
+    if all_local and "GLOO_SOCKET_IFNAME" not in os.environ:
+        loopback = _loopback_interface()
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+
+    device = torch.device(plan.device)
+    extra: dict[str, Any] = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
+    dist.init_process_group(
+        plan.backend,
+        init_method="env://",
+        rank=plan.rank,
+        world_size=plan.world_size,
+        timeout=timedelta(seconds=timeout_s),
+        **extra,
+    )
+    ctx = runtime.RankContext(
+        rank=plan.rank,
+        world_size=plan.world_size,
+        local_rank=plan.local_rank,
+        local_world_size=plan.local_world_size,
+        host=plan.host,
+        pid=plan.pid,
+        device=device,
+        backend=plan.backend,
+        master_addr=plan.master_addr,
+        master_port=plan.master_port,
+        timeout_s=timeout_s,
+    )
+    runtime.set_context(ctx)
+    _predefine_names(ctx)
+    return ctx.summary()
+
+
+def _torchrun_env(plan: RankPlan) -> dict[str, str]:
+    return {
+        "RANK": str(plan.rank),
+        "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_RANK": str(plan.local_rank),
+        "LOCAL_WORLD_SIZE": str(plan.local_world_size),
+        "MASTER_ADDR": plan.master_addr,
+        "MASTER_PORT": str(plan.master_port),
+    }
+
+
+def _predefine_names(ctx: runtime.RankContext) -> None:
+    """Put ``rank``, ``world_size``, ``local_rank`` and ``device`` in the engine's namespace."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None:
+        shell.user_ns.update(
+            rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank, device=ctx.device
+        )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _host_ip(host: str) -> str:
+    try:
+        return socket.gethostbyname(host)
+    except OSError:
+        return "127.0.0.1"
+
+
+def _loopback_interface() -> str | None:
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return None
+
+
+__all__ = ["BootstrapSpec", "PlacementError", "bootstrap_mpi", "join_world", "probe"]

@@ -1,0 +1,60 @@
+"""Errors a user sees, each saying what went wrong and what to do next."""
+
+from __future__ import annotations
+
+
+class AxonError(RuntimeError):
+    """Base class of axon_nb's errors."""
+
+
+class NoClusterError(AxonError):
+    """An operation needs a running cluster and there is none."""
+
+
+class ClusterStartError(AxonError):
+    """The cluster could not be started; nothing was left running."""
+
+
+class ClusterBrokenError(AxonError):
+    """A rank died earlier; the world must be restarted before it can be used again."""
+
+
+class RankError(AxonError):
+    """Code raised on one or more ranks.
+
+    ``rank`` is the lowest failing rank, whose remote traceback ``traceback`` holds;
+    ``failed_ranks`` lists every rank that failed.
+    """
+
+    def __init__(
+        self, rank: int, ename: str, evalue: str, traceback: str, failed_ranks: list[int]
+    ) -> None:
+        self.rank = rank
+        self.ename = ename
+        self.evalue = evalue
+        self.traceback = traceback
+        self.failed_ranks = failed_ranks
+        super().__init__(self._headline())
+
+    def _headline(self) -> str:
+        others = [r for r in self.failed_ranks if r != self.rank]
+        also = f" (ranks {', '.join(map(str, others))} failed too)" if others else ""
+        return f"rank {self.rank} raised {self.ename}: {self.evalue}{also}"
+
+    def _render_traceback_(self) -> list[str]:
+        """IPython shows this instead of the kernel-side stack, which says nothing useful."""
+        lines = [f"[rank {self.rank}] {line}" for line in self.traceback.rstrip().splitlines()]
+        return [*lines, f"{type(self).__name__}: {self._headline()}"]
+
+
+class RankDiedError(RankError):
+    """A rank's process died while running code; the cluster needs a restart."""
+
+    def _headline(self) -> str:
+        return (
+            f"rank {self.rank} died while running ({self.evalue}). The world is broken: "
+            "run `%axon_cluster --restart` (or `cluster.restart()`) to start fresh ranks"
+        )
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"{type(self).__name__}: {self._headline()}"]

@@ -1,0 +1,201 @@
+"""IPython magics: thin argument parsing over :class:`axon_nb.Cluster`."""
+
+from __future__ import annotations
+
+import shlex
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import publish_display_data
+
+from axon_nb.cluster import Cluster
+from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus
+from axon_nb.engine.placement import BACKENDS
+from axon_nb.errors import NoClusterError
+
+
+@magics_class
+class AxonMagics(Magics):
+    """``%axon_cluster``, ``%%axon`` and ``%axon_run``; one cluster per kernel."""
+
+    def __init__(self, shell: Any) -> None:
+        super().__init__(shell)
+        self.cluster: Cluster | None = None
+
+    @magic_arguments()
+    @argument("n", nargs="?", help="number of ranks to start")
+    @argument("--engines", default="mpi", choices=ENGINE_KINDS, help="how engines are launched")
+    @argument("--backend", default="auto", choices=BACKENDS, help="torch.distributed backend")
+    @argument("--gpus", default=None, help="CUDA devices to use, e.g. 0,1 (default: all)")
+    @argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    @argument("--stop", action="store_true", help="stop the running cluster")
+    @argument("--restart", action="store_true", help="stop the running cluster, start anew")
+    @argument("--status", action="store_true", help="show the running cluster's ranks")
+    @line_magic
+    def axon_cluster(self, line: str) -> None:
+        """Start, inspect, restart or stop the kernel's cluster of ranks.
+
+        ::
+
+            In [1]: %axon_cluster 4
+            rank  host  pid    device  backend
+            0     node  12345  cpu     gloo
+            ...
+            In [2]: %axon_cluster --status
+            In [3]: %axon_cluster --restart
+            In [4]: %axon_cluster --stop
+        """
+        args = parse_argstring(self.axon_cluster, line)
+        if args.stop:
+            self._stop_command()
+        elif args.status:
+            self._status_command()
+        elif args.restart:
+            self._restart_command(args)
+        elif args.n is None:
+            raise UsageError("give the number of ranks, e.g. `%axon_cluster 4` (or --status)")
+        elif self.cluster is not None and self.cluster.running:
+            print(
+                f"A cluster with {len(self.cluster.ranks)} ranks is already running; nothing "
+                "was changed. Use `%axon_cluster N --restart` to replace it or --stop."
+            )
+        else:
+            self._start(_cluster_from_args(args))
+
+    @magic_arguments()
+    @argument("--ranks", default=None, help="run only on these ranks, e.g. 0,2")
+    @argument("--no-stream", action="store_true", help="print output when done, not live")
+    @cell_magic
+    def axon(self, line: str, cell: str) -> None:
+        """Run the cell on every rank, in namespaces that persist between cells.
+
+        ``rank``, ``world_size``, ``local_rank`` and ``device`` are predefined. ::
+
+            In [2]: %%axon
+               ...: import torch.distributed as dist
+               ...: print(dist.get_rank(), world_size, device)
+            [rank 0] 0 2 cpu
+            [rank 1] 1 2 cpu
+        """
+        args = parse_argstring(self.axon, line)
+        ranks = _parse_ranks(args.ranks)
+        parts = self._require_cluster().execute(cell, ranks=ranks, stream=not args.no_stream)
+        if args.no_stream:
+            for rank, part in parts.items():
+                part.display_outputs()
+                del rank
+        _show_results(parts)
+
+    @line_magic
+    def axon_run(self, line: str) -> None:
+        """Run an unmodified torchrun-style script on every rank and stream its output.
+
+        ::
+
+            In [3]: %axon_run train.py --epochs 1
+        """
+        argv = shlex.split(line)
+        if not argv:
+            raise UsageError("give a script to run, e.g. `%axon_run train.py --epochs 1`")
+        self._require_cluster().run_script(argv[0], argv[1:])
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def stop_cluster(self) -> None:
+        """Stop the kernel's cluster, if any."""
+        if self.cluster is not None:
+            self.cluster.stop()
+            self.cluster = None
+
+    def _require_cluster(self) -> Cluster:
+        if self.cluster is None or not self.cluster.running:
+            raise NoClusterError("no cluster is running: start one first with `%axon_cluster N`")
+        return self.cluster
+
+    def _start(self, cluster: Cluster) -> None:
+        opts = cluster.options
+        print(f"Starting {opts.n} ranks ({opts.engines} engines) ...", flush=True)
+        cluster.start()
+        self.cluster = cluster
+        print(cluster.table())
+
+    def _stop_command(self) -> None:
+        if self.cluster is None:
+            print("No cluster is running.")
+            return
+        n = len(self.cluster.ranks)
+        self.stop_cluster()
+        print(f"Stopped the cluster ({n} ranks).")
+
+    def _status_command(self) -> None:
+        if self.cluster is None or not self.cluster.running:
+            print("No cluster is running. Start one with `%axon_cluster N`.")
+            return
+        print(repr(self.cluster))
+        print(self.cluster.table())
+
+    def _restart_command(self, args: Any) -> None:
+        if args.n is None and self.cluster is None:
+            raise UsageError("no cluster to restart: start one with `%axon_cluster N`")
+        new = _cluster_from_args(args) if args.n is not None else None
+        if new is None:
+            assert self.cluster is not None
+            new = Cluster(**_options_kwargs(self.cluster))
+        self.stop_cluster()
+        self._start(new)
+
+
+def _cluster_from_args(args: Any) -> Cluster:
+    try:
+        n = int(args.n)
+    except ValueError:
+        raise UsageError(
+            f"the number of ranks must be a positive integer, got {args.n!r}: "
+            "e.g. `%axon_cluster 4`"
+        ) from None
+    try:
+        return Cluster(
+            n,
+            engines=args.engines,
+            backend=args.backend,
+            gpus=parse_gpus(args.gpus),
+            timeout=args.timeout,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _options_kwargs(cluster: Cluster) -> dict[str, Any]:
+    o = cluster.options
+    return {"n": o.n, "engines": o.engines, "backend": o.backend, "gpus": o.gpus,
+            "timeout": o.timeout, "start_timeout": o.start_timeout}
+
+
+def _parse_ranks(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(r) for r in text.split(",")]
+    except ValueError:
+        raise UsageError(f"--ranks takes comma-separated ranks like 0,2, got {text!r}") from None
+
+
+def _show_results(parts: dict[int, Any]) -> None:
+    """Show each rank's displays and cell result; a result identical on all ranks shows once."""
+    for part in parts.values():
+        for output in part.outputs:
+            publish_display_data(output["data"], output.get("metadata", {}))
+    texts = {
+        rank: part.execute_result.data.get("text/plain")
+        for rank, part in parts.items()
+        if part.execute_result is not None
+    }
+    if not texts:
+        return
+    if len(texts) == len(parts) > 1 and len(set(texts.values())) == 1:
+        print(f"Out[all ranks]: {next(iter(texts.values()))}")
+        return
+    for rank, text in texts.items():
+        print(f"Out[rank {rank}]: {text}")
