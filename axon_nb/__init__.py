@@ -42,7 +42,7 @@ __all__ = [
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """Register the ``%axon_cluster``, ``%%axon`` and ``%axon_run`` magics (``%load_ext axon_nb``)."""
+    """Register ``%axon_cluster``, ``%%axon`` and ``%axon_run`` (``%load_ext axon_nb``)."""
     from axon_nb.magics import AxonMagics
 
     ipython.register_magics(AxonMagics(ipython))

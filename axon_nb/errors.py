@@ -22,8 +22,8 @@ class ClusterBrokenError(AxonError):
 class RankError(AxonError):
     """Code raised on one or more ranks.
 
-    ``rank`` is the lowest failing rank, whose remote traceback ``traceback`` holds;
-    ``failed_ranks`` lists every rank that failed.
+    ``rank`` is the rank that failed first (the cause; others usually fail because of it),
+    whose remote traceback ``traceback`` holds; ``failed_ranks`` lists every failed rank.
     """
 
     def __init__(
@@ -38,7 +38,7 @@ class RankError(AxonError):
 
     def _headline(self) -> str:
         others = [r for r in self.failed_ranks if r != self.rank]
-        also = f" (ranks {', '.join(map(str, others))} failed too)" if others else ""
+        also = f" (then ranks {', '.join(map(str, others))} failed too)" if others else ""
         return f"rank {self.rank} raised {self.ename}: {self.evalue}{also}"
 
     def _render_traceback_(self) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,8 +14,8 @@ import ipyparallel as ipp
 from axon_nb.cluster import reaper
 from axon_nb.cluster.launchers import LAUNCHERS
 from axon_nb.cluster.options import ClusterOptions
-from axon_nb.cluster.waiting import interrupt_with, results, wait_for_ranks
-from axon_nb.engine import bootstrap, script
+from axon_nb.cluster.waiting import results, wait_for_ranks
+from axon_nb.engine import bootstrap, script, world
 from axon_nb.engine.placement import PlacementError, plan_world
 from axon_nb.errors import (
     AxonError,
@@ -190,7 +192,7 @@ class Cluster:
 
     def interrupt(self, ranks: Sequence[int] | None = None) -> None:
         """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
-        interrupt_with(self.client)(self._targets(ranks))
+        _Control(self.client, []).interrupt(self._targets(ranks))
 
     def table(self) -> str:
         """The ranks as a text table: rank, host, pid, device, backend."""
@@ -234,13 +236,30 @@ class Cluster:
         stream: bool,
         timeout: float | None = None,
     ) -> dict[int, ipp.AsyncResult]:
+        control = _Control(self.client, list(range(len(self.ranks))) or targets)
         try:
-            return wait_for_ranks(
-                ar, targets, interrupt=interrupt_with(self.client), stream=stream, timeout=timeout
-            )
+            return wait_for_ranks(ar, targets, control=control, stream=stream, timeout=timeout)
         except RankDiedError as e:
             self._broken = f"rank {e.rank} died"
             raise
+        finally:
+            if control.released and not self._broken and self.ranks:
+                self._reform_world()
+
+    def _reform_world(self) -> None:
+        """Every rank leaves the severed process group and joins a fresh one."""
+        print(
+            "Ranks had stopped in different collectives, so the process group was re-formed. "
+            "Objects built on the old group (DDP models, device meshes) must be rebuilt.",
+            file=sys.stderr,
+        )
+        port = self.client[0].apply_sync(bootstrap.free_port)
+        targets = list(range(len(self.ranks)))
+        ar = self.client[targets].apply_async(world.reform, port)
+        parts = wait_for_ranks(
+            ar, targets, control=_Control(self.client, []), timeout=self.options.start_timeout
+        )
+        self.ranks = results(parts)
 
     def _wait_for_engines(self) -> None:
         n, timeout = self.options.n, self.options.start_timeout
@@ -321,3 +340,30 @@ def _engine_id() -> int:
 
     shell = get_ipython()
     return int(shell.kernel.engine_id)  # ipyparallel engines expose their id on the kernel
+
+
+class _Control:
+    """Signals and releases ranks on behalf of the waiting loop."""
+
+    def __init__(self, client: ipp.Client, world_ranks: list[int]) -> None:
+        self.client = client
+        self.world_ranks = world_ranks
+        self.released = False
+
+    def interrupt(self, ranks: list[int]) -> None:
+        if not ranks:
+            return
+        try:  # through the engines' nannies, so it works for any launcher and host
+            self.client.send_signal(signal.SIGINT, targets=ranks, block=True)
+        except Exception as e:  # a dead engine cannot be signalled; the waiting loop says so
+            print(f"could not signal ranks {ranks}: {e}", file=sys.stderr)
+
+    def release(self, stuck: list[int]) -> None:
+        free = [r for r in self.world_ranks if r not in stuck]
+        if not free or not stuck:
+            return
+        self.released = True
+        try:
+            self.client[free].apply_async(world.sever).get(timeout=10)
+        except Exception as e:
+            print(f"could not release ranks {stuck}: {e}", file=sys.stderr)

@@ -6,11 +6,9 @@ KeyboardInterrupt lands here and can be forwarded to the engines as SIGINT.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
-from collections.abc import Callable
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO
 
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
@@ -20,8 +18,20 @@ from axon_nb.errors import AxonError, RankDiedError, RankError
 POLL_S = 0.05
 FAILURE_GRACE_S = 2.0
 """After one rank fails, how long the others get to finish or fail on their own."""
+STUCK_AFTER_S = 2.0
+"""A rank still busy this long after SIGINT is taken to be waiting in a collective."""
 INTERRUPT_GRACE_S = 10.0
 """After SIGINT, how long ranks get to unwind before the kernel stops waiting."""
+
+
+class RankControl(Protocol):
+    """What waiting needs from the cluster to unstick ranks."""
+
+    def interrupt(self, ranks: list[int]) -> None:
+        """Send SIGINT to ``ranks``."""
+
+    def release(self, stuck: list[int]) -> None:
+        """Make ``stuck`` ranks' pending collectives fail (their peers already left them)."""
 
 
 class RankStreams:
@@ -61,7 +71,7 @@ def wait_for_ranks(
     ar: ipp.AsyncResult,
     ranks: list[int],
     *,
-    interrupt: Callable[[list[int]], None],
+    control: RankControl,
     timeout: float | None = None,
     stream: bool = True,
     out: TextIO | None = None,
@@ -75,27 +85,32 @@ def wait_for_ranks(
     and re-raises ``KeyboardInterrupt``.
     """
     parts = dict(zip(ranks, ar.split(), strict=True))
+    # Completion order tells cause from consequence: the rank that raised (or died) first
+    # finishes first; peers then fail in collectives or are taken down with it.
+    order: list[int] = []
+    for rank, part in parts.items():
+        part.add_done_callback(lambda _, rank=rank: order.append(rank))
     streams = RankStreams(parts, out or sys.stdout, err or sys.stderr) if stream else None
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         while not all(p.ready() for p in parts.values()):
             _flush(streams)
             if _failed(parts):
-                _settle_after_failure(parts, interrupt, streams)
+                _settle_after_failure(parts, control, streams)
                 break
             if deadline is not None and time.monotonic() > deadline:
                 running = _running(parts)
-                interrupt(running)
+                control.interrupt(running)
                 raise AxonError(
                     f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
                     "they were interrupted"
                 )
             time.sleep(POLL_S)
     except KeyboardInterrupt:
-        _forward_interrupt(parts, interrupt, streams)
+        _forward_interrupt(parts, control, streams)
         raise
     _flush(streams)
-    _raise_failures(parts)
+    _raise_failures(parts, order)
     return parts
 
 
@@ -114,29 +129,38 @@ def _failed(parts: dict[int, ipp.AsyncResult]) -> list[int]:
 
 def _settle_after_failure(
     parts: dict[int, ipp.AsyncResult],
-    interrupt: Callable[[list[int]], None],
+    control: RankControl,
     streams: RankStreams | None,
 ) -> None:
     # Others usually fail right after (a peer left a collective); collect those errors too.
     if _wait_until_ready(parts, FAILURE_GRACE_S, streams):
         return
-    running = _running(parts)
-    interrupt(running)
-    _wait_until_ready(parts, INTERRUPT_GRACE_S, streams)
+    control.interrupt(_running(parts))
+    _unstick(parts, control, streams)
+
+
+def _unstick(
+    parts: dict[int, ipp.AsyncResult], control: RankControl, streams: RankStreams | None
+) -> bool:
+    """After SIGINT: ranks still busy are inside a collective their peers left; release them."""
+    if _wait_until_ready(parts, STUCK_AFTER_S, streams):
+        return True
+    control.release(_running(parts))
+    return _wait_until_ready(parts, INTERRUPT_GRACE_S, streams)
 
 
 def _forward_interrupt(
     parts: dict[int, ipp.AsyncResult],
-    interrupt: Callable[[list[int]], None],
+    control: RankControl,
     streams: RankStreams | None,
 ) -> None:
     running = _running(parts)
     if not running:
         return
     print(f"Interrupting ranks {_fmt(running)} ...", file=sys.stderr)
-    interrupt(running)
+    control.interrupt(running)
     try:
-        if not _wait_until_ready(parts, INTERRUPT_GRACE_S, streams):
+        if not _unstick(parts, control, streams):
             print(
                 f"ranks {_fmt(_running(parts))} are still busy {INTERRUPT_GRACE_S:.0f} s after "
                 "SIGINT (stuck in native code?); `%axon_cluster --restart` starts fresh ranks",
@@ -159,16 +183,15 @@ def _wait_until_ready(
     return False
 
 
-def _raise_failures(parts: dict[int, ipp.AsyncResult]) -> None:
+def _raise_failures(parts: dict[int, ipp.AsyncResult], order: list[int]) -> None:
     failed = _failed(parts)
     if not failed:
         return
-    # A dead rank explains everyone else's failure, so report it first.
-    errors = {r: parts[r].exception() for r in failed}
-    died = [r for r, e in errors.items() if _is_engine_death(e)]
-    rank = min(died or failed)
-    exc = errors[rank]
-    if died:
+    first = {rank: i for i, rank in reversed(list(enumerate(order)))}
+    failed.sort(key=lambda r: (first.get(r, len(order)), r))
+    rank = failed[0]
+    exc = parts[rank].exception()
+    if _is_engine_death(exc):
         raise RankDiedError(rank, "EngineError", "its process exited", "", failed) from None
     ename, evalue, tb = _describe(exc)
     raise RankError(rank, ename, evalue, tb, failed) from None
@@ -189,19 +212,6 @@ def _describe(exc: BaseException | None) -> tuple[str, str, str]:
 
 def _fmt(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
-
-
-def interrupt_with(client: ipp.Client) -> Callable[[list[int]], None]:
-    """An ``interrupt`` callback that sends SIGINT to ranks through their ipyparallel nannies."""
-
-    def interrupt(ranks: list[int]) -> None:
-        if ranks:
-            try:
-                client.send_signal(signal.SIGINT, targets=ranks, block=True)
-            except Exception as e:  # a dead engine cannot be signalled; the caller reports it
-                print(f"could not signal ranks {_fmt(ranks)}: {e}", file=sys.stderr)
-
-    return interrupt
 
 
 def results(parts: dict[int, ipp.AsyncResult]) -> list[Any]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from axon_nb.engine import runtime
+from axon_nb.engine import runtime, world
 from axon_nb.engine.placement import PlacementError, Probe, RankPlan, plan_world
 
 
@@ -82,6 +82,7 @@ def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
         extra["device_id"] = device
+    before = world.open_sockets()
     dist.init_process_group(
         plan.backend,
         init_method="env://",
@@ -90,6 +91,7 @@ def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
         timeout=timedelta(seconds=timeout_s),
         **extra,
     )
+    world.remember_world_sockets(before)
     ctx = runtime.RankContext(
         rank=plan.rank,
         world_size=plan.world_size,

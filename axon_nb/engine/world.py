@@ -1,0 +1,86 @@
+"""Tear down and re-form this rank's process group after an interrupt left ranks out of step.
+
+When Ctrl-C stops some ranks between collectives while others are inside one, the others wait
+for peers that will never come (gloo's wait cannot be interrupted by a signal). Shutting down
+the connections this rank opened for the world makes those peers' collectives fail at once;
+then every rank joins a fresh world on a new port.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from datetime import timedelta
+
+from axon_nb.engine import runtime
+
+_world_fds: set[int] = set()
+
+
+def open_sockets() -> set[int]:
+    """File descriptors of this process's sockets (Linux ``/proc``; empty elsewhere)."""
+    fds = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return fds
+    for name in names:
+        try:
+            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                fds.add(int(name))
+        except OSError:
+            continue
+    return fds
+
+
+def remember_world_sockets(before: set[int]) -> None:
+    """Record the sockets ``init_process_group`` opened (those not open ``before`` it)."""
+    _world_fds.clear()
+    _world_fds.update(open_sockets() - before)
+
+
+def sever() -> int:
+    """Shut down this rank's connected world sockets; listeners are left alone. Returns count."""
+    count = 0
+    for fd in sorted(_world_fds):
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:  # already closed by its owner
+            continue
+        try:
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the fd still belongs to gloo / the store; never close it here
+    return count
+
+
+def reform(master_port: int) -> dict[str, object]:
+    """Destroy the current process group and join a fresh one on ``master_port``."""
+    import torch.distributed as dist
+
+    ctx = runtime.context()
+    if dist.is_initialized():
+        # A severed group may fail to say goodbye; it is gone either way.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(master_port)
+    before = open_sockets()
+    dist.init_process_group(
+        ctx.backend,
+        init_method="env://",
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=ctx.timeout_s),
+        **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}),
+    )
+    remember_world_sockets(before)
+    fresh = runtime.RankContext(
+        **{**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__}, "master_port": master_port}
+    )
+    runtime.set_context(fresh)
+    return fresh.summary()
