@@ -185,13 +185,10 @@ def _parse_ranks(text: str | None) -> list[int] | None:
 def _show_results(parts: dict[int, Any]) -> None:
     """Show each rank's displays and cell result; a result identical on all ranks shows once."""
     for part in parts.values():
-        for output in part.outputs:
+        for output in _single(part.outputs) or []:
             publish_display_data(output["data"], output.get("metadata", {}))
-    texts = {
-        rank: part.execute_result.data.get("text/plain")
-        for rank, part in parts.items()
-        if part.execute_result is not None
-    }
+    results = {rank: _single(part.execute_result) for rank, part in parts.items()}
+    texts = {rank: r["data"].get("text/plain") for rank, r in results.items() if r}
     if not texts:
         return
     if len(texts) == len(parts) > 1 and len(set(texts.values())) == 1:
@@ -199,3 +196,8 @@ def _show_results(parts: dict[int, Any]) -> None:
         return
     for rank, text in texts.items():
         print(f"Out[rank {rank}]: {text}")
+
+
+def _single(value: Any) -> Any:
+    """A one-rank AsyncResult may still wrap its metadata in a one-item list."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value

@@ -1,0 +1,35 @@
+"""Shared fixtures: real clusters (MPI engines, gloo) and a real IPython shell."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from IPython.core.interactiveshell import InteractiveShell
+
+import axon_nb
+
+# Functions defined in test modules are pickled by reference; engines inherit this environment
+# and so can import them.
+_TESTS = str(Path(__file__).parent)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p
+)
+
+
+@pytest.fixture(scope="module")
+def cluster4() -> Iterator[axon_nb.Cluster]:
+    """Four MPI ranks on gloo, shared by a module's tests."""
+    with axon_nb.Cluster(n=4, timeout=60) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def shell() -> Iterator[InteractiveShell]:
+    """A real IPython shell with the extension loaded; its cluster is stopped afterwards."""
+    ip = InteractiveShell.instance()
+    ip.extension_manager.load_extension("axon_nb")
+    yield ip
+    ip.extension_manager.unload_extension("axon_nb")
