@@ -169,8 +169,14 @@ def _cluster_from_args(args: Any) -> Cluster:
 
 def _options_kwargs(cluster: Cluster) -> dict[str, Any]:
     o = cluster.options
-    return {"n": o.n, "engines": o.engines, "backend": o.backend, "gpus": o.gpus,
-            "timeout": o.timeout, "start_timeout": o.start_timeout}
+    return {
+        "n": o.n,
+        "engines": o.engines,
+        "backend": o.backend,
+        "gpus": o.gpus,
+        "timeout": o.timeout,
+        "start_timeout": o.start_timeout,
+    }
 
 
 def _parse_ranks(text: str | None) -> list[int] | None:

@@ -14,9 +14,7 @@ import axon_nb
 # Functions defined in test modules are pickled by reference; engines inherit this environment
 # and so can import them.
 _TESTS = str(Path(__file__).parent)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p
-)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 
 @pytest.fixture(scope="module")

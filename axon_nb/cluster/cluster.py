@@ -6,10 +6,12 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ipyparallel as ipp
+import psutil
 
 from axon_nb.cluster import reaper
 from axon_nb.cluster.launchers import LAUNCHERS
@@ -25,6 +27,9 @@ from axon_nb.errors import (
     RankDiedError,
     RankError,
 )
+
+RANK_GONE_S = 2.0
+"""While starting, a rank process missing this long under its MPI proxy has exited."""
 
 
 class Cluster:
@@ -202,8 +207,9 @@ class Cluster:
             for r in self.ranks
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-                         for row in rows)
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+        )
 
     # -- internals -------------------------------------------------------------------------
 
@@ -262,14 +268,46 @@ class Cluster:
         self.ranks = results(parts)
 
     def _wait_for_engines(self) -> None:
+        """Wait for all engines to connect, failing fast when a local rank process has exited."""
         n, timeout = self.options.n, self.options.start_timeout
-        try:
-            self.client.wait_for_engines(n, timeout=timeout, interactive=False)
-        except TimeoutError:
-            raise ClusterStartError(
-                f"only {len(self.client.ids)} of {n} engines connected within {timeout:.0f} s"
-                f"{self._launcher_output()}"
-            ) from None
+        started = time.monotonic()
+        short_since: float | None = None
+        while len(self.client.ids) < n:
+            now = time.monotonic()
+            alive = self._local_rank_processes()
+            short_since = (short_since or now) if alive is not None and alive < n else None
+            # Spawning takes milliseconds; a rank missing for a while has exited.
+            if self._launchers_stopped() or (short_since and now - short_since > RANK_GONE_S):
+                raise ClusterStartError(
+                    f"a rank exited while starting ({len(self.client.ids)} of {n} engines "
+                    f"connected){self._launcher_output()}"
+                )
+            if now - started > timeout:
+                raise ClusterStartError(
+                    f"only {len(self.client.ids)} of {n} engines connected within "
+                    f"{timeout:.0f} s{self._launcher_output()}"
+                )
+            time.sleep(0.2)
+
+    def _launchers_stopped(self) -> bool:
+        assert self._ipp is not None
+        return any(launcher.state == "after" for launcher in self._ipp.engines.values())
+
+    def _local_rank_processes(self) -> int | None:
+        """Rank processes alive under this host's MPI proxies; None where they are not visible."""
+        assert self._ipp is not None
+        if self.options.engines != "mpi":
+            return None
+        count, seen_proxy = 0, False
+        for launcher in self._ipp.engines.values():
+            try:
+                for child in psutil.Process(launcher.pid).children():
+                    if child.name().startswith("hydra_pmi_proxy"):
+                        seen_proxy = True
+                        count += sum(c.status() != psutil.STATUS_ZOMBIE for c in child.children())
+            except psutil.Error:
+                continue
+        return count if seen_proxy else None
 
     def _join_world(self) -> list[dict[str, Any]]:
         spec = bootstrap.BootstrapSpec(
@@ -286,26 +324,30 @@ class Cluster:
             if e.ename == "PlacementError":
                 raise ClusterStartError(e.evalue) from None
             raise ClusterStartError(f"rank {e.rank} failed to start: {e}\n{e.traceback}") from None
-        mismatched = [(t, s["rank"]) for t, s in zip(targets, summaries, strict=True)
-                      if t != s["rank"]]
+        mismatched = [
+            (t, s["rank"]) for t, s in zip(targets, summaries, strict=True) if t != s["rank"]
+        ]
         if mismatched:
             raise ClusterStartError(f"engine ids and ranks differ: {mismatched}")
         return summaries
 
-    def _join_world_from_kernel(self, spec: bootstrap.BootstrapSpec, targets: list[int]
-                                ) -> list[dict[str, Any]]:
+    def _join_world_from_kernel(
+        self, spec: bootstrap.BootstrapSpec, targets: list[int]
+    ) -> list[dict[str, Any]]:
         """Engines without MPI: all on this host; the kernel plans, each rank joins."""
         n = len(targets)
-        probes = results(self._wait_start(
-            self.client[targets].apply_async(_probe_by_engine_id, n), targets))
+        probes = results(
+            self._wait_start(self.client[targets].apply_async(_probe_by_engine_id, n), targets)
+        )
         try:
             plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
         except PlacementError as e:
             raise ClusterStartError(str(e)) from None
-        ars = [self.client[t].apply_async(bootstrap.join_world, plans[t], spec.timeout_s)
-               for t in targets]
-        merged = ipp.AsyncResult(self.client, [m for a in ars for m in a.msg_ids],
-                                 targets=targets)
+        ars = [
+            self.client[t].apply_async(bootstrap.join_world, plans[t], spec.timeout_s)
+            for t in targets
+        ]
+        merged = ipp.AsyncResult(self.client, [m for a in ars for m in a.msg_ids], targets=targets)
         return results(self._wait_start(merged, targets))
 
     def _wait_start(self, ar: ipp.AsyncResult, targets: list[int]) -> dict[int, ipp.AsyncResult]:

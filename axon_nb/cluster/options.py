@@ -50,9 +50,7 @@ class ClusterOptions:
 
 def _check_gpus(gpus: tuple[int, ...], n: int, backend: str) -> None:
     if not gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
-        raise ValueError(
-            f"gpus must be CUDA device indices like 0,1,2, got {gpus!r}"
-        )
+        raise ValueError(f"gpus must be CUDA device indices like 0,1,2, got {gpus!r}")
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"gpus lists a device twice: {gpus!r}; give each device once")
     # Every launcher here starts all ranks on this host, so this is known before starting.

@@ -1,0 +1,93 @@
+"""Starting faults leave nothing behind, and engines never outlive the process that started them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import wait_gone
+
+import axon_nb
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_missing_mpiexec_says_how_to_install_it(monkeypatch) -> None:
+    monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    before = _descendants()
+    with pytest.raises(axon_nb.ClusterStartError, match="pip install mpich"):
+        axon_nb.Cluster(n=2).start()
+    assert _descendants() <= before
+
+
+def test_gpus_naming_a_missing_device_stops_everything() -> None:
+    cluster = axon_nb.Cluster(n=2, gpus=[7])
+    with pytest.raises(axon_nb.ClusterStartError, match="cuda:7, which does not exist"):
+        cluster.start()
+    assert not cluster.running
+    assert wait_gone(list(_descendants())) == []
+
+
+def test_nccl_without_gpus_stops_everything() -> None:
+    with pytest.raises(axon_nb.ClusterStartError, match="nccl needs one GPU per rank"):
+        axon_nb.Cluster(n=2, backend="nccl").start()
+    assert wait_gone(list(_descendants())) == []
+
+
+def test_a_rank_dying_during_start_is_reported_and_cleaned_up(tmp_path: Path, monkeypatch) -> None:
+    # Real fault injection: rank 1's interpreter exits while starting (MPICH sets PMI_RANK).
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('PMI_RANK') == '1':\n    os._exit(3)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    cluster = axon_nb.Cluster(n=2, start_timeout=60)
+    with pytest.raises(axon_nb.ClusterStartError):
+        cluster.start()
+    assert not cluster.running
+    assert wait_gone(list(_descendants())) == []
+
+
+STARTER = textwrap.dedent(
+    """
+    import json, sys, time
+    import axon_nb
+
+    cluster = axon_nb.Cluster(n=2, timeout=60).start()
+    ipp = cluster._ipp
+    pids = [r["pid"] for r in cluster.ranks] + [ipp.controller.process.pid]
+    pids += [es.process.pid for es in ipp.engines.values()]
+    print(json.dumps({"pids": pids, "torch": "torch" in sys.modules}), flush=True)
+    if sys.argv[1] == "wait":
+        time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigkill"])
+def test_engines_and_controller_never_outlive_their_starter(tmp_path: Path, ending: str) -> None:
+    script = tmp_path / "starter.py"
+    script.write_text(STARTER)
+    mode = "wait" if ending == "sigkill" else "exit"
+    proc = subprocess.Popen([sys.executable, str(script), mode], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        report = json.loads(proc.stdout.readline())
+        assert report["torch"] is False  # the starting process never imports torch (nor CUDA)
+        if ending == "sigkill":
+            proc.send_signal(signal.SIGKILL)  # no atexit: the reaper must clean up
+        proc.wait(timeout=60)
+        assert wait_gone(report["pids"], seconds=30) == []
+    finally:
+        proc.kill()
