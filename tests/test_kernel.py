@@ -1,0 +1,46 @@
+"""Ctrl-C as Jupyter sends it: a real kernel is interrupted while a `%%axon` cell runs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+
+def _run(kc, code: str, timeout: float = 120) -> tuple[str, str]:
+    """Execute ``code``; return (status, all stream text)."""
+    msg_id = kc.execute(code)
+    text = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            text.append(msg["content"]["text"])
+        if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    reply = kc.get_shell_msg(timeout=timeout)
+    return reply["content"]["status"], "".join(text)
+
+
+def test_kernel_interrupt_stops_the_ranks_and_keeps_the_cluster() -> None:
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        assert _run(kc, "%load_ext axon_nb\n%axon_cluster 2 --timeout 60")[0] == "ok"
+        loop = "%%axon\nimport torch, torch.distributed as dist\nwhile True:\n    time_ = 0\n"
+        msg_id = kc.execute(loop)
+        time.sleep(3)
+        km.interrupt_kernel()
+        reply = kc.get_shell_msg(timeout=60)
+        assert reply["parent_header"]["msg_id"] == msg_id
+        assert reply["content"]["status"] == "error"
+        assert reply["content"]["ename"] == "KeyboardInterrupt"
+        status, text = _run(kc, "%%axon\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
+        assert status == "ok" and "[rank 1] 2.0" in text
+        assert _run(kc, "%axon_cluster --stop")[0] == "ok"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=False)

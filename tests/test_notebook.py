@@ -1,0 +1,21 @@
+"""The quickstart notebook runs in a real Jupyter kernel (nbclient) against a real cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from axon_nb.notebooks import execute
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+def test_quickstart_executes(tmp_path: Path) -> None:
+    nb = execute(EXAMPLES / "quickstart.ipynb", tmp_path / "quickstart.ipynb")
+    text = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
+    assert "[rank 0] rank 0 of 2 on cpu" in text
+    assert "[rank 1] [3.0, 3.0, 3.0]" in text
+    assert "Stopped the cluster (2 ranks)" in text
