@@ -20,6 +20,8 @@ FAILURE_GRACE_S = 2.0
 """After one rank fails, how long the others get to finish or fail on their own."""
 STUCK_AFTER_S = 2.0
 """A rank still busy this long after SIGINT is taken to be waiting in a collective."""
+RELEASE_ROUND_S = 1.0
+"""How long released ranks get to leave their collective before the next release round."""
 INTERRUPT_GRACE_S = 10.0
 """After SIGINT, how long ranks get to unwind before the kernel stops waiting."""
 
@@ -145,7 +147,15 @@ def _unstick(
     """After SIGINT: ranks still busy are inside a collective their peers left; release them."""
     if _wait_until_ready(parts, STUCK_AFTER_S, streams):
         return True
-    control.release(_running(parts))
+    # Releasing frees the ranks waiting on a free peer; those may be what others wait on, so
+    # release again from the newly freed ranks until nobody is stuck or nothing changes.
+    for _ in parts:
+        stuck = _running(parts)
+        control.release(stuck)
+        if _wait_until_ready(parts, RELEASE_ROUND_S, streams):
+            return True
+        if _running(parts) == stuck:
+            break
     return _wait_until_ready(parts, INTERRUPT_GRACE_S, streams)
 
 

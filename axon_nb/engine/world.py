@@ -9,44 +9,54 @@ then every rank joins a fresh world on a new port.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import socket
 from datetime import timedelta
 
 from axon_nb.engine import runtime
 
-_world_fds: set[int] = set()
+_world_sockets: dict[int, str] = {}
+"""fd -> socket identity ("socket:[inode]") of the connections the current world opened."""
 
 
-def open_sockets() -> set[int]:
-    """File descriptors of this process's sockets (Linux ``/proc``; empty elsewhere)."""
-    fds = set()
+def open_sockets() -> dict[int, str]:
+    """This process's sockets as fd -> ``socket:[inode]`` (Linux ``/proc``; empty elsewhere).
+
+    Identity matters, not the fd number: numbers of closed sockets are reused.
+    """
+    found: dict[int, str] = {}
     try:
         names = os.listdir("/proc/self/fd")
     except OSError:
-        return fds
+        return found
     for name in names:
         try:
-            if os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
-                fds.add(int(name))
+            target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-    return fds
+        if target.startswith("socket:"):
+            found[int(name)] = target
+    return found
 
 
-def remember_world_sockets(before: set[int]) -> None:
+def remember_world_sockets(before: dict[int, str]) -> None:
     """Record the sockets ``init_process_group`` opened (those not open ``before`` it)."""
-    _world_fds.clear()
-    _world_fds.update(open_sockets() - before)
+    old = set(before.values())
+    _world_sockets.clear()
+    _world_sockets.update({fd: s for fd, s in open_sockets().items() if s not in old})
 
 
 def sever() -> int:
     """Shut down this rank's connected world sockets; listeners are left alone. Returns count."""
     count = 0
-    for fd in sorted(_world_fds):
+    now = open_sockets()
+    for fd, identity in sorted(_world_sockets.items()):
+        if now.get(fd) != identity:  # closed by its owner, maybe reused for something else
+            continue
         try:
             sock = socket.socket(fileno=fd)
-        except OSError:  # already closed by its owner
+        except OSError:
             continue
         try:
             if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
@@ -68,6 +78,7 @@ def reform(master_port: int) -> dict[str, object]:
         # A severed group may fail to say goodbye; it is gone either way.
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+    gc.collect()  # let the old group close its sockets before the new one opens any
     os.environ["MASTER_PORT"] = str(master_port)
     before = open_sockets()
     dist.init_process_group(
