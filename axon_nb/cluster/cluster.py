@@ -121,6 +121,8 @@ class Cluster:
             self._client.close()
             self._client = None
         if self._ipp is not None:
+            # mpiexec exits non-zero when its ranks are terminated; that is the expected end.
+            self._ipp.log.setLevel(logging.ERROR)
             self._ipp.stop_cluster_sync()
             self._ipp = None
         if self._reaper is not None:
