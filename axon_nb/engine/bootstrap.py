@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 from axon_nb.engine import runtime, world
@@ -78,20 +77,8 @@ def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
             os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
     device = torch.device(plan.device)
-    extra: dict[str, Any] = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        extra["device_id"] = device
-    before = world.open_sockets()
-    dist.init_process_group(
-        plan.backend,
-        init_method="env://",
-        rank=plan.rank,
-        world_size=plan.world_size,
-        timeout=timedelta(seconds=timeout_s),
-        **extra,
-    )
-    world.remember_world_sockets(before)
     ctx = runtime.RankContext(
         rank=plan.rank,
         world_size=plan.world_size,
@@ -105,6 +92,7 @@ def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
         master_port=plan.master_port,
         timeout_s=timeout_s,
     )
+    world.init_process_group(ctx)
     runtime.set_context(ctx)
     _predefine_names(ctx)
     return ctx.summary()

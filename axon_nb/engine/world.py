@@ -9,6 +9,7 @@ then every rank joins a fresh world on a new port.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import socket
@@ -69,17 +70,10 @@ def sever() -> int:
     return count
 
 
-def reform(master_port: int) -> dict[str, object]:
-    """Destroy the current process group and join a fresh one on ``master_port``."""
+def init_process_group(ctx: runtime.RankContext) -> None:
+    """``init_process_group`` for ``ctx``'s rank, remembering the sockets it opens."""
     import torch.distributed as dist
 
-    ctx = runtime.context()
-    if dist.is_initialized():
-        # A severed group may fail to say goodbye; it is gone either way.
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-    gc.collect()  # let the old group close its sockets before the new one opens any
-    os.environ["MASTER_PORT"] = str(master_port)
     before = open_sockets()
     dist.init_process_group(
         ctx.backend,
@@ -90,8 +84,19 @@ def reform(master_port: int) -> dict[str, object]:
         **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}),
     )
     remember_world_sockets(before)
-    fresh = runtime.RankContext(
-        **{**{f: getattr(ctx, f) for f in ctx.__dataclass_fields__}, "master_port": master_port}
-    )
+
+
+def reform(master_port: int) -> dict[str, object]:
+    """Destroy the current process group and join a fresh one on ``master_port``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        # A severed group may fail to say goodbye; it is gone either way.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    gc.collect()  # let the old group close its sockets before the new one opens any
+    os.environ["MASTER_PORT"] = str(master_port)
+    fresh = dataclasses.replace(runtime.context(), master_port=master_port)
+    init_process_group(fresh)
     runtime.set_context(fresh)
     return fresh.summary()
