@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+import sys
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -12,6 +14,7 @@ from IPython.display import publish_display_data
 
 from axon_nb.cluster import Cluster
 from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus
+from axon_nb.cluster.waiting import RankStreams
 from axon_nb.engine.placement import BACKENDS
 from axon_nb.errors import NoClusterError
 
@@ -83,9 +86,7 @@ class AxonMagics(Magics):
         ranks = _parse_ranks(args.ranks)
         parts = self._require_cluster().execute(cell, ranks=ranks, stream=not args.no_stream)
         if args.no_stream:
-            for rank, part in parts.items():
-                part.display_outputs()
-                del rank
+            RankStreams(parts, sys.stdout, sys.stderr).flush()
         _show_results(parts)
 
     @line_magic
@@ -142,7 +143,7 @@ class AxonMagics(Magics):
         new = _cluster_from_args(args) if args.n is not None else None
         if new is None:
             assert self.cluster is not None
-            new = Cluster(**_options_kwargs(self.cluster))
+            new = Cluster(**dataclasses.asdict(self.cluster.options))
         self.stop_cluster()
         self._start(new)
 
@@ -165,18 +166,6 @@ def _cluster_from_args(args: Any) -> Cluster:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-
-
-def _options_kwargs(cluster: Cluster) -> dict[str, Any]:
-    o = cluster.options
-    return {
-        "n": o.n,
-        "engines": o.engines,
-        "backend": o.backend,
-        "gpus": o.gpus,
-        "timeout": o.timeout,
-        "start_timeout": o.start_timeout,
-    }
 
 
 def _parse_ranks(text: str | None) -> list[int] | None:

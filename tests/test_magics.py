@@ -68,6 +68,12 @@ def test_cells_run_on_every_rank_in_persistent_namespaces(shell, capsys) -> None
     assert "[rank 1] only 1" in out and "[rank 0]" not in out
 
 
+def test_no_stream_prints_rank_labelled_output_once_at_the_end(shell, capsys) -> None:
+    shell.run_cell_magic("axon", "--no-stream", "print('late', rank)")
+    out = capsys.readouterr().out
+    assert out.count("[rank 0] late 0") == 1 and out.count("[rank 1] late 1") == 1
+
+
 def test_cell_results_identical_on_all_ranks_show_once(shell, capsys) -> None:
     shell.run_cell_magic("axon", "", "world_size * 7")
     assert "Out[all ranks]: 14" in capsys.readouterr().out
