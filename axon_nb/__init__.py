@@ -24,10 +24,13 @@ from axon_nb.errors import (
     RankDiedError,
     RankError,
 )
+from axon_nb.strategies import DDP, SingleDevice, Strategy
+from axon_nb.train import TrainHandle, TrainResult, train_local
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDP",
     "AxonError",
     "Cluster",
     "ClusterBrokenError",
@@ -36,7 +39,12 @@ __all__ = [
     "NoClusterError",
     "RankDiedError",
     "RankError",
+    "SingleDevice",
+    "Strategy",
+    "TrainHandle",
+    "TrainResult",
     "load_ipython_extension",
+    "train_local",
     "unload_ipython_extension",
 ]
 

@@ -7,9 +7,11 @@ import os
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import cloudpickle
 import ipyparallel as ipp
 import psutil
 
@@ -27,6 +29,9 @@ from axon_nb.errors import (
     RankDiedError,
     RankError,
 )
+from axon_nb.train.handle import TrainHandle
+from axon_nb.train.result import TrainResult
+from axon_nb.train.spec import check_world, make_spec
 
 RANK_GONE_S = 2.0
 """While starting, a rank process missing this long under its MPI proxy has exited."""
@@ -197,6 +202,76 @@ class Cluster:
         )
         return results(self._wait(ar, targets, stream=True))
 
+    def train(
+        self,
+        model: Any = None,
+        data: Any = None,
+        *,
+        strategy: Any = None,
+        optimizer: Any = None,
+        loss: Callable[..., Any] | None = None,
+        steps: int,
+        batch_size: int,
+        grad_accum: int = 1,
+        mixed_precision: str | None = None,
+        clip_grad_norm: float | None = None,
+        schedule: str = "constant",
+        warmup_steps: int = 0,
+        seed: int = 0,
+        resume: bool = False,
+        name: str = "model",
+        metrics_interval_s: float = 0.5,
+        block: bool = True,
+    ) -> TrainResult | TrainHandle:
+        """Train ``model`` on every rank with ``strategy`` (default ``DDP()``), all steps there.
+
+        ``batch_size`` is the global batch per optimizer step: each rank takes
+        ``batch_size / world_size`` samples of its own data shard, in ``grad_accum``
+        micro-batches. The trained model stays on the ranks as ``name`` (a ``%%axon`` cell
+        can evaluate it), and ``resume=True`` continues it (model, optimizer, step, data order),
+        taking new optimizer settings such as ``optimizer=("adamw", {"lr": 1e-4})``.
+
+        Returns a :class:`TrainResult`, or with ``block=False`` a :class:`TrainHandle` at once.
+        Ctrl-C stops every rank at the same step boundary and returns the result so far.
+        Example::
+
+            from axon_nb import DDP
+            result = cluster.train(
+                model=make_model, data=make_dataset, strategy=DDP(comm_hook="bf16"),
+                optimizer=("adamw", {"lr": 3e-4}), loss=torch.nn.functional.cross_entropy,
+                steps=200, batch_size=32, grad_accum=2, mixed_precision="bf16",
+                clip_grad_norm=1.0, seed=0,
+            )
+            result.losses[-1]
+        """
+        from axon_nb.strategies import DDP
+
+        spec = make_spec(
+            DDP,
+            model=model,
+            data=data,
+            strategy=strategy,
+            optimizer=optimizer,
+            loss=loss,
+            steps=steps,
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            mixed_precision=mixed_precision,
+            clip_grad_norm=clip_grad_norm,
+            schedule=schedule,
+            warmup_steps=warmup_steps,
+            seed=seed,
+            resume=resume,
+            name=name,
+            metrics_interval_s=metrics_interval_s,
+        )
+        targets = self._targets(None)
+        check_world(spec, len(targets))
+        run = uuid.uuid4().hex[:12]
+        ar = self.client[targets].apply_async(_train_on_rank, cloudpickle.dumps(spec), run)
+        handle = TrainHandle(self, ar, targets, spec, run)
+        return handle.wait() if block else handle
+
     def interrupt(self, ranks: Sequence[int] | None = None) -> None:
         """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
         _Control(self.client, []).interrupt(self._targets(ranks))
@@ -243,10 +318,13 @@ class Cluster:
         *,
         stream: bool,
         timeout: float | None = None,
+        **options: Any,
     ) -> dict[int, ipp.AsyncResult]:
         control = _Control(self.client, list(range(len(self.ranks))) or targets)
         try:
-            return wait_for_ranks(ar, targets, control=control, stream=stream, timeout=timeout)
+            return wait_for_ranks(
+                ar, targets, control=control, stream=stream, timeout=timeout, **options
+            )
         except RankDiedError as e:
             self._broken = f"rank {e.rank} died"
             raise
@@ -377,6 +455,12 @@ def _probe_by_engine_id(world_size: int) -> Any:
 
     rank = _engine_id()
     return probe(rank, rank, world_size)
+
+
+def _train_on_rank(spec_bytes: bytes, run: str) -> Any:
+    from axon_nb.engine.loop import train_on_rank  # imports torch: on the rank only
+
+    return train_on_rank(spec_bytes, run)
 
 
 def _engine_id() -> int:

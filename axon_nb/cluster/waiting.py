@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, TextIO
 
 import ipyparallel as ipp
@@ -78,6 +79,8 @@ def wait_for_ranks(
     stream: bool = True,
     out: TextIO | None = None,
     err: TextIO | None = None,
+    tick: Callable[[], None] | None = None,
+    soft_stop_s: float | None = None,
 ) -> dict[int, ipp.AsyncResult]:
     """Wait for ``ar`` (one message per rank, in ``ranks`` order) and return its parts by rank.
 
@@ -85,6 +88,11 @@ def wait_for_ranks(
     as a failure is known, after giving the other ranks a short grace period and interrupting
     those still running. Ctrl-C interrupts the ranks with SIGINT, waits for them to unwind
     and re-raises ``KeyboardInterrupt``.
+
+    ``tick`` is called on every poll (to read streamed metrics). With ``soft_stop_s``, the
+    ranks treat SIGINT as "stop at the next safe point" (the training loop does): Ctrl-C then
+    waits up to that long for them to finish on their own and returns normally; a second
+    Ctrl-C, or the time running out, interrupts them as above.
     """
     parts = dict(zip(ranks, ar.split(), strict=True))
     # Completion order tells cause from consequence: the rank that raised (or died) first
@@ -97,6 +105,8 @@ def wait_for_ranks(
     try:
         while not all(p.ready() for p in parts.values()):
             _flush(streams)
+            if tick is not None:
+                tick()
             if _failed(parts):
                 _settle_after_failure(parts, control, streams)
                 break
@@ -109,8 +119,9 @@ def wait_for_ranks(
                 )
             time.sleep(POLL_S)
     except KeyboardInterrupt:
-        _forward_interrupt(parts, control, streams)
-        raise
+        if soft_stop_s is None or not _soft_stop(parts, control, streams, soft_stop_s):
+            _forward_interrupt(parts, control, streams)
+            raise
     _flush(streams)
     _raise_failures(parts, order)
     return parts
@@ -157,6 +168,26 @@ def _unstick(
         if _running(parts) == stuck:
             break
     return _wait_until_ready(parts, INTERRUPT_GRACE_S, streams)
+
+
+def _soft_stop(
+    parts: dict[int, ipp.AsyncResult],
+    control: RankControl,
+    streams: RankStreams | None,
+    seconds: float,
+) -> bool:
+    """Ask running ranks to stop at their next safe point; True once all have finished."""
+    running = _running(parts)
+    print(
+        f"Stopping ranks {_fmt(running)} at the next step boundary "
+        "(press interrupt again to stop them at once) ...",
+        file=sys.stderr,
+    )
+    control.interrupt(running)
+    try:
+        return _wait_until_ready(parts, seconds, streams)
+    except KeyboardInterrupt:
+        return False
 
 
 def _forward_interrupt(

@@ -1,0 +1,82 @@
+"""The data side of the loop: each rank's shard of the dataset, cut into steps of micro-batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+
+def resolve_dataset(data: Any) -> Dataset[Any]:
+    """``data`` itself when it is a dataset, else ``data()``; checked to be map-style."""
+    dataset = data() if callable(data) and not hasattr(data, "__getitem__") else data
+    if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(
+            f"data must be a map-style Dataset (with __len__ and __getitem__) or a callable "
+            f"returning one, got {type(dataset).__name__}"
+        )
+    return dataset
+
+
+class StepBatches:
+    """Yields, for each optimizer step, this rank's ``grad_accum`` micro-batches on ``device``.
+
+    With ``world_size`` ranks, global step ``s`` covers positions ``s*B .. (s+1)*B`` of the
+    epoch's shuffled order (``B`` = global batch), exactly as one process with batch ``B``
+    would: the distributed sampler deals that order out round-robin, so the ranks' micro-batches
+    together are the same samples. That is what makes DDP comparable with ``train_local``.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        *,
+        batch_size: int,
+        grad_accum: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        device: torch.device,
+    ) -> None:
+        self.dataset = dataset
+        self.micro_batch = batch_size // (world_size * grad_accum)
+        self.grad_accum = grad_accum
+        self.device = device
+        self.sampler = DistributedSampler(
+            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
+        )
+        per_rank = self.micro_batch * grad_accum
+        self.steps_per_epoch = len(self.sampler) // per_rank
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the dataset has {len(dataset)} samples: split over {world_size} ranks each "
+                f"rank's shard holds {len(self.sampler)}, fewer than the {per_rank} one step "
+                f"takes per rank (batch_size={batch_size} / {world_size} ranks). Use a smaller "
+                "batch_size or more data"
+            )
+
+    def from_step(self, step: int) -> Iterator[list[Any]]:
+        """Micro-batch lists for global steps ``step, step + 1, ...``, epoch after epoch."""
+        per_step = self.micro_batch * self.grad_accum
+        while True:
+            epoch, offset = divmod(step, self.steps_per_epoch)
+            self.sampler.set_epoch(epoch)
+            indices = list(self.sampler)[offset * per_step : self.steps_per_epoch * per_step]
+            loader = DataLoader(self.dataset, batch_size=self.micro_batch, sampler=indices)
+            batches = iter(loader)
+            for _ in range(self.steps_per_epoch - offset):
+                yield [to_device(next(batches), self.device) for _ in range(self.grad_accum)]
+                step += 1
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (tuples, lists, dicts) moved to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,357 @@
+"""The training loop that runs on every rank, start to finish, with no round trip to the kernel.
+
+``train_on_rank`` is what ``cluster.train`` calls on each engine; ``run`` is the loop itself,
+also used in one process by ``axon_nb.train_local``.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from axon_nb.engine import runtime, trainstate
+from axon_nb.engine.data import StepBatches, resolve_dataset
+from axon_nb.engine.trainstate import LRShape, TrainState
+from axon_nb.metrics import memory
+from axon_nb.metrics.comm import CommMeter
+from axon_nb.metrics.stream import MetricsPublisher
+from axon_nb.train.spec import OPTIMIZERS, TrainSpec
+
+
+def train_on_rank(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
+    """Engine entry point: unpickle the spec, train, stream metrics, return this rank's summary."""
+    from ipyparallel.datapub import publish_data
+    from IPython import get_ipython
+
+    spec: TrainSpec = cloudpickle.loads(spec_bytes)
+    summary, state = run(spec, runtime.context(), sink=publish_data, run_id=run_id)
+    shell = get_ipython()
+    if state is not None and shell is not None:
+        shell.user_ns[spec.name] = state.model  # the next %%axon cell can evaluate it
+    return summary
+
+
+def run(
+    spec: TrainSpec, ctx: runtime.RankContext, *, sink: Any, run_id: str
+) -> tuple[dict[str, Any], TrainState | None]:
+    """Train on this rank as ``spec`` says; returns this rank's summary and the training state.
+
+    When another rank fails while setting up, this one returns ``{"aborted": [ranks]}`` and
+    no state, so only the failing rank reports an error.
+    """
+    try:
+        state, batches = _prepare(spec, ctx)
+    except _PeerFailed as e:
+        return {"rank": ctx.rank, "aborted": e.ranks}, None
+    start_step = state.step
+    publisher = MetricsPublisher(
+        sink,
+        header={
+            "run": run_id,
+            "name": spec.name,
+            "rank": ctx.rank,
+            "start_step": start_step,
+            "total_steps": start_step + spec.steps,
+        },
+        interval_s=spec.metrics_interval_s,
+    )
+    loop = _Loop(spec, ctx, state, publisher)
+    try:
+        with loop.meter.installed(), StopSignal() as stop:
+            loop.run(batches, stop)
+    except BaseException as e:
+        loop.publish("failed", error=f"{type(e).__name__}: {e}")
+        raise
+    status = "stopped" if loop.stopped else "finished"
+    loop.publish(status)
+    summary = {
+        "rank": ctx.rank,
+        "device": str(ctx.device),
+        "status": status,
+        "start_step": start_step,
+        "step": state.step,
+        "records": publisher.records,
+        "memory": loop.memory,
+        "comm_totals": loop.meter.totals(),
+        "elapsed_s": time.monotonic() - loop.started,
+    }
+    return summary, state
+
+
+class StopSignal:
+    """While active, the first SIGINT asks to stop at the next step boundary; a second one
+    raises ``KeyboardInterrupt`` as usual. ``cluster.train``'s Ctrl-C and ``handle.stop()``
+    both arrive as SIGINT.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._saved: Any = None
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._saved = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            signal.signal(signal.SIGINT, self._saved)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+
+class _PeerFailed(Exception):
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+
+
+def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, StepBatches]:
+    """The run's state (fresh or resumed) and its data; user code failing on some ranks only
+    is agreed on first, so no rank is left waiting in a collective."""
+    if spec.resume:
+        return _resume(spec, ctx)
+
+    def build() -> tuple[nn.Module, Any, StepBatches]:
+        torch.manual_seed(spec.seed)  # the same initial parameters on every rank
+        model = spec.model() if not isinstance(spec.model, nn.Module) else spec.model
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"model must be an nn.Module or a callable returning one; it returned "
+                f"{type(model).__name__}"
+            )
+        dataset = resolve_dataset(spec.data)
+        return model, dataset, _batches(spec, ctx, dataset)
+
+    model, dataset, batches = _agreed(ctx, build)
+    model = spec.strategy.parallelize(model.to(ctx.device), ctx)
+    optimizer = spec.strategy.build_optimizer(model, _optimizer_factory(spec))
+    lr_shape = LRShape(warmup_steps=spec.warmup_steps, horizon=spec.steps, shape=spec.schedule)
+    state = TrainState(
+        name=spec.name,
+        strategy=spec.strategy,
+        model=model,
+        optimizer=optimizer,
+        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_shape),
+        lr_shape=lr_shape,
+        scaler=torch.amp.GradScaler(ctx.device.type) if spec.mixed_precision == "fp16" else None,
+        dataset=dataset,
+    )
+    torch.manual_seed(spec.seed + 1 + ctx.rank)  # dropout and friends differ across ranks
+    trainstate.put(state)
+    return state, batches
+
+
+def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, StepBatches]:
+    state = trainstate.get(spec.name)
+    if spec.strategy != state.strategy:
+        raise ValueError(
+            f"resume=True continues {spec.name!r}, trained with {state.strategy}; got "
+            f"{spec.strategy}. Resume with the same strategy, or train afresh (resume=False)"
+        )
+    dataset = state.dataset if spec.data is None else resolve_dataset(spec.data)
+    batches = _batches(spec, ctx, dataset)
+    changes = spec.optimizer_kwargs
+    unknown = [k for k in changes if k not in state.optimizer.param_groups[0]]
+    if unknown:
+        raise ValueError(
+            f"resume=True keeps the optimizer and can only change its existing settings "
+            f"({', '.join(sorted(state.optimizer.param_groups[0]))}); unknown: {unknown}"
+        )
+    # Only now, with every input checked, does the stored state change.
+    state.dataset = dataset
+    for group in state.optimizer.param_groups:
+        group.update(changes)
+    if "lr" in changes:
+        state.scheduler.base_lrs = [changes["lr"]] * len(state.optimizer.param_groups)
+    # Steps count from the run's start, so resuming with the same arguments after a stop
+    # continues the schedule exactly; training past the old end stretches the decay.
+    state.lr_shape.warmup_steps = spec.warmup_steps
+    state.lr_shape.shape = spec.schedule
+    state.lr_shape.horizon = max(state.lr_shape.horizon, state.step + spec.steps)
+    factor = state.lr_shape(state.step)
+    for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs, strict=True):
+        group["lr"] = base * factor
+    return state, batches
+
+
+def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> StepBatches:
+    return StepBatches(
+        dataset,
+        batch_size=spec.batch_size,
+        grad_accum=spec.grad_accum,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        seed=spec.seed,
+        device=ctx.device,
+    )
+
+
+def _optimizer_factory(spec: TrainSpec) -> Any:
+    if callable(spec.optimizer):
+        return spec.optimizer
+    name, kwargs = spec.optimizer
+    cls = getattr(torch.optim, OPTIMIZERS[name])
+    return lambda params: cls(params, **kwargs)
+
+
+def _agreed(ctx: runtime.RankContext, fn: Any) -> Any:
+    """Run ``fn`` on every rank; if it raised anywhere, raise there and stop the others."""
+    error: BaseException | None = None
+    value = None
+    try:
+        value = fn()
+    except Exception as e:
+        error = e
+    if ctx.world_size > 1:
+        flags = torch.zeros(ctx.world_size, device=ctx.device)
+        flags[ctx.rank] = float(error is not None)
+        dist.all_reduce(flags)
+        failed = [r for r, f in enumerate(flags.tolist()) if f]
+    else:
+        failed = [0] if error else []
+    if error is not None:
+        raise error
+    if failed:
+        raise _PeerFailed(failed)
+    return value
+
+
+class _Loop:
+    """One call's steps: forward/backward via the strategy, optimizer, agreement, metrics."""
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        ctx: runtime.RankContext,
+        state: TrainState,
+        publisher: MetricsPublisher,
+    ) -> None:
+        self.spec, self.ctx, self.state, self.publisher = spec, ctx, state, publisher
+        self.meter = CommMeter()
+        self.micro = _MicroStep(spec, ctx, state.scaler)
+        self.stopped = False
+        self.memory: dict[str, int] = {}
+        self.started = time.monotonic()
+
+    def run(self, batches: StepBatches, stop: StopSignal) -> None:
+        for i, microbatches in zip(
+            range(self.spec.steps), batches.from_step(self.state.step), strict=False
+        ):
+            last = i == self.spec.steps - 1
+            self.step(microbatches, stop, last)
+            if self.stopped:
+                return
+
+    def step(self, microbatches: list[Any], stop: StopSignal, last: bool) -> None:
+        spec, state = self.spec, self.state
+        started = time.perf_counter()
+        lr = state.optimizer.param_groups[0]["lr"]
+        loss = spec.strategy.forward_backward(state.model, microbatches, self.micro)
+        if state.scaler is not None:
+            state.scaler.unscale_(state.optimizer)
+        norm = None
+        if spec.clip_grad_norm is not None:
+            norm = float(spec.strategy.clip_grad_norm(state.model, spec.clip_grad_norm))
+        if state.scaler is not None:
+            state.scaler.step(state.optimizer)
+            state.scaler.update()
+        else:
+            state.optimizer.step()
+        publish = last or self.publisher.due()
+        if publish:  # before zero_grad, so gradients count
+            self.memory = memory.snapshot(state.model, state.optimizer, self.ctx.device)
+        state.optimizer.zero_grad(set_to_none=True)
+        state.scheduler.step()
+        state.step += 1
+        global_loss, self.stopped = self._agree(loss, stop.requested)
+        elapsed = time.perf_counter() - started
+        comm = self.meter.take()
+        self.publisher.add(
+            {
+                "step": state.step,
+                "loss": global_loss,
+                "rank_loss": float(loss),
+                "lr": lr,
+                "grad_norm": norm,
+                "samples": spec.batch_size,
+                "step_time_s": elapsed,
+                "samples_per_s": spec.batch_size / elapsed,
+                "comm": comm,
+                "comm_bytes": sum(int(c["bytes"]) for c in comm.values()),
+                "comm_time_s": sum(c["time_s"] for c in comm.values()),
+            }
+        )
+        if publish and not (last or self.stopped):
+            self.publish("running")
+
+    def _agree(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
+        """One small all-reduce per step: the global mean loss, and whether any rank must stop.
+
+        Every rank leaves at the same step boundary, so none is left inside a collective.
+        """
+        if self.ctx.world_size == 1:
+            return float(loss), stop
+        both = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
+        dist.all_reduce(both)
+        total, stops = both.tolist()
+        return total / self.ctx.world_size, stops > 0
+
+    def publish(self, status: str, **fields: Any) -> None:
+        self.publisher.publish(
+            status,
+            step=self.state.step,
+            elapsed_s=time.monotonic() - self.started,
+            memory=self.memory,
+            comm_totals=self.meter.totals(),
+            **fields,
+        )
+
+
+class _MicroStep:
+    """Loss and backward of one micro-batch: autocast, the user's loss, the grad scaler."""
+
+    def __init__(self, spec: TrainSpec, ctx: runtime.RankContext, scaler: Any) -> None:
+        self.loss_fn = spec.loss
+        self.device_type = ctx.device.type
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+        self.dtype = dtypes.get(spec.mixed_precision or "")
+        self.scaler = scaler
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            raise TypeError(
+                "each data item must be an (input, target) pair; a batch came as "
+                f"{type(batch).__name__} {_shape(batch)}"
+            )
+        inputs, target = batch
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
+            if self.loss_fn is None:
+                loss = model(inputs, target)
+            else:
+                loss = self.loss_fn(model(inputs), target)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
+            raise TypeError(
+                f"the loss must be a scalar tensor, got {type(loss).__name__}"
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+            )
+        return loss.float().reshape(())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+
+def _shape(batch: Any) -> str:
+    if isinstance(batch, torch.Tensor):
+        return f"of shape {tuple(batch.shape)}"
+    return f"of length {len(batch)}" if hasattr(batch, "__len__") else ""

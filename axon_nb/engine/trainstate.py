@@ -1,0 +1,79 @@
+"""What a training run leaves on a rank between cells: model, optimizer, schedule, step count."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from axon_nb.strategies import Strategy
+
+_STATES: dict[str, TrainState] = {}
+
+
+@dataclass(kw_only=True)
+class TrainState:
+    """One named run on this rank; ``cluster.train(..., resume=True)`` continues it."""
+
+    name: str
+    strategy: Strategy
+    model: nn.Module
+    """The model as the strategy trains it (e.g. wrapped in DDP)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    lr_shape: LRShape
+    scaler: Any
+    """``torch.amp.GradScaler`` for fp16, else None."""
+    dataset: Any
+    step: int = 0
+    """Optimizer steps taken so far, over all calls."""
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's module inside the strategy's wrapping."""
+        return self.strategy.unwrap(self.model)
+
+
+def get(name: str = "model") -> TrainState:
+    """The training state named ``name`` on this rank.
+
+    Example (in a ``%%axon`` cell)::
+
+        from axon_nb.engine import trainstate
+        trainstate.get("model").optimizer.param_groups[0]["lr"]
+    """
+    if name not in _STATES:
+        known = ", ".join(sorted(_STATES)) or "none yet"
+        raise KeyError(
+            f"no training run named {name!r} on this rank (runs: {known}); start one with "
+            "cluster.train(..., resume=False)"
+        )
+    return _STATES[name]
+
+
+def put(state: TrainState) -> None:
+    _STATES[state.name] = state
+
+
+@dataclass(kw_only=True)
+class LRShape:
+    """Learning-rate factor per step: linear warm-up, then constant, linear or cosine to 0."""
+
+    warmup_steps: int
+    horizon: int
+    """Step at which a decaying schedule reaches 0 (the end of the current call)."""
+    shape: str = "constant"
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.shape == "constant":
+            return 1.0
+        span = max(1, self.horizon - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        if self.shape == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))

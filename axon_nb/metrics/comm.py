@@ -1,0 +1,127 @@
+"""Measure the collectives a rank really issues: kind, payload bytes and time.
+
+While a :class:`CommMeter` is installed, the ``torch.distributed`` collective functions are
+wrapped. PyTorch's DDP comm hooks (and FSDP2's collectives) call them through the
+``torch.distributed`` module, so their traffic is counted as it happens, not from a formula.
+
+What the figures mean:
+
+- ``bytes``: the payload this rank hands to the collective (its input tensor, or the list's
+  total); for ``all_gather`` the input shard, for ``recv`` the receive buffer.
+- ``time_s``: wall time from the call until its result is ready. For ``async_op=True`` calls
+  (DDP's buckets) that is until the work's future completes, so it includes time queued
+  behind earlier buckets and overlaps backward compute.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+KINDS: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_gather": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "broadcast": "broadcast",
+    "all_to_all_single": "all_to_all",
+    "send": "send_recv",
+    "recv": "send_recv",
+    "isend": "send_recv",
+    "irecv": "send_recv",
+}
+"""Wrapped ``torch.distributed`` functions -> collective kind reported in the stream."""
+
+
+class CommMeter:
+    """Accumulates per-kind bytes, time and call count until :meth:`take` is called."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[str, list[float]] = {}
+        self._lifetime: dict[str, list[float]] = {}
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        """Record one finished collective (called from gloo/NCCL completion threads too)."""
+        with self._lock:
+            for table in (self._totals, self._lifetime):
+                row = table.setdefault(kind, [0, 0.0, 0])
+                row[0] += nbytes
+                row[1] += seconds
+                row[2] += 1
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """Figures since the last ``take`` as ``{kind: {bytes, time_s, count}}``; resets them."""
+        with self._lock:
+            taken, self._totals = self._totals, {}
+        return _as_dicts(taken)
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        """Figures since the meter was created."""
+        with self._lock:
+            return _as_dicts(self._lifetime)
+
+    @contextmanager
+    def installed(self) -> Iterator[CommMeter]:
+        """Wrap the ``torch.distributed`` collectives for the duration of the block."""
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        saved = {name: getattr(dist, name) for name in KINDS if hasattr(dist, name)}
+        for name, fn in saved.items():
+            wrapped = self._wrap(KINDS[name], fn)
+            setattr(dist, name, wrapped)
+            if getattr(c10d, name, None) is fn:
+                setattr(c10d, name, wrapped)
+        try:
+            yield self
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+                if hasattr(c10d, name):
+                    setattr(c10d, name, fn)
+
+    def _wrap(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            nbytes = _payload_bytes(kind, args, kwargs)
+            start = time.perf_counter()
+            work = fn(*args, **kwargs)
+            if work is None or not hasattr(work, "get_future"):
+                self.add(kind, nbytes, time.perf_counter() - start)
+                return work
+            done = lambda _: self.add(kind, nbytes, time.perf_counter() - start)  # noqa: E731
+            work.get_future().add_done_callback(done)
+            return work
+
+        return measured
+
+
+def _payload_bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    if kind in ("all_gather", "reduce_scatter"):
+        # (output, input) signatures: the input is what this rank contributes.
+        payload = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
+    elif kind == "all_to_all":
+        payload = kwargs.get("input", args[1] if len(args) > 1 else None)
+    else:
+        payload = kwargs.get("tensor", args[0] if args else None)
+    return _nbytes(payload)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    numel = getattr(value, "numel", None)
+    return int(numel() * value.element_size()) if numel is not None else 0
+
+
+def _as_dicts(table: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    return {
+        kind: {"bytes": int(row[0]), "time_s": row[1], "count": int(row[2])}
+        for kind, row in table.items()
+    }

@@ -1,0 +1,63 @@
+"""Per-rank memory: bytes held by model state, process RSS and (on GPU) CUDA allocator figures."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+def tensor_bytes(tensors: Iterable[Any]) -> int:
+    """Bytes of this rank's storage for ``tensors`` (local shards of DTensors; shared once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = (local.untyped_storage().data_ptr(), local.storage_offset())
+        if local.numel() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
+    """Every tensor in the optimizer's per-parameter state (moments, step counters, ...)."""
+    import torch
+
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                yield value
+
+
+def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, device: Any) -> dict[str, int]:
+    """Memory figures of this rank, all in bytes.
+
+    Always: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (this rank's local tensors)
+    and ``rss_bytes`` (process resident set). On CUDA also ``cuda_allocated``,
+    ``cuda_reserved`` and ``cuda_peak`` (max allocated since the run started).
+    """
+    params = list(model.parameters())
+    figures = {
+        "param_bytes": tensor_bytes(params),
+        "grad_bytes": tensor_bytes(p.grad for p in params),
+        "optimizer_bytes": tensor_bytes(optimizer_tensors(optimizer)),
+        "rss_bytes": psutil.Process().memory_info().rss,
+    }
+    if getattr(device, "type", None) == "cuda":
+        import torch
+
+        figures.update(
+            cuda_allocated=torch.cuda.memory_allocated(device),
+            cuda_reserved=torch.cuda.memory_reserved(device),
+            cuda_peak=torch.cuda.max_memory_allocated(device),
+        )
+    return figures

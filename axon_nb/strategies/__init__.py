@@ -1,0 +1,29 @@
+"""User-facing strategies: typed configs whose methods run on the ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from axon_nb.strategies.base import MicroStep, SingleDevice, Strategy
+from axon_nb.strategies.ddp import DDP
+
+STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "single_device": SingleDevice}
+"""Strategies by name, for ``strategy="ddp"``."""
+
+__all__ = ["DDP", "STRATEGIES", "MicroStep", "SingleDevice", "Strategy", "resolve_strategy"]
+
+
+def resolve_strategy(value: Any, default: type[Strategy] = DDP) -> Strategy:
+    """A :class:`Strategy` from an instance, a registered name, or None (``default()``)."""
+    if value is None:
+        return default()
+    if isinstance(value, Strategy):
+        return value
+    if isinstance(value, str) and value.lower() in STRATEGIES:
+        return STRATEGIES[value.lower()]()
+    if isinstance(value, type) and issubclass(value, Strategy):
+        return value()
+    raise ValueError(
+        f"unknown strategy {value!r}: use one of {', '.join(sorted(STRATEGIES))} "
+        "(or an instance such as DDP(comm_hook='bf16'))"
+    )

@@ -1,0 +1,117 @@
+"""The ``Strategy`` contract: how a model is spread over the ranks, seen from the training loop.
+
+A strategy is a small typed config object, built in the notebook and pickled to the ranks. Its
+methods run on the ranks only, so this module (and every strategy module) imports torch lazily:
+the kernel never imports it.
+
+The loop calls, in order::
+
+    model = strategy.parallelize(model, ctx)            # once per run
+    optimizer = strategy.build_optimizer(model, make)   # once per run
+    every step:
+        loss = strategy.forward_backward(model, microbatches, step)
+        norm = strategy.clip_grad_norm(model, max_norm)  # when clipping
+        optimizer.step()
+    strategy.state_dict(model)                          # full, unsharded parameters
+
+Later strategies (FSDP, ZeRO, pipeline, tensor, hybrid) override these and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from axon_nb.engine.runtime import RankContext
+
+
+class MicroStep(Protocol):
+    """What the loop hands ``forward_backward`` for one step."""
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Forward ``batch`` (already on the rank's device) under autocast; the mean loss."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss`` (through the grad scaler when fp16 is on)."""
+
+
+class Strategy:
+    """Base of all strategies; on its own it trains the model as is (one process, no wrapping).
+
+    Subclasses are ``@dataclass(frozen=True, kw_only=True, slots=True)`` configs with ``name``
+    set, and override the methods whose behaviour they change.
+    """
+
+    __slots__ = ()
+    name: ClassVar[str] = "single_device"
+
+    def check_world(self, world_size: int) -> None:
+        """Raise ``ValueError`` if the strategy cannot run on ``world_size`` ranks (kernel side)."""
+
+    def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
+        """Return the model as this rank trains it (wrapped, sharded or split)."""
+        return model
+
+    def build_optimizer(
+        self, model: nn.Module, make: Callable[[Any], torch.optim.Optimizer]
+    ) -> torch.optim.Optimizer:
+        """Build the optimizer over this rank's parameters; ``make(params)`` builds a plain one."""
+        return make(model.parameters())
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Context for micro-steps whose gradients are only accumulated locally."""
+        return contextlib.nullcontext()
+
+    def forward_backward(
+        self, model: nn.Module, microbatches: Sequence[Any], step: MicroStep
+    ) -> torch.Tensor:
+        """Forward and backward over the step's micro-batches; returns their mean loss (detached).
+
+        Gradients are averaged over micro-batches; only the last one synchronises them.
+        """
+        total = None
+        count = len(microbatches)
+        for i, batch in enumerate(microbatches):
+            sync = i == count - 1
+            with contextlib.nullcontext() if sync else self.no_sync(model):
+                loss = step.loss(model, batch)
+                step.backward(loss / count)
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total / count
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip the norm of all of the model's gradients to ``max_norm``; returns the norm."""
+        import torch
+
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The user's module inside whatever ``parallelize`` returned."""
+        return model
+
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The full (unsharded) model state dict, with the user's parameter names."""
+        return self.unwrap(model).state_dict()
+
+    def describe(self) -> str:
+        """One line for logs and results."""
+        return repr(self)
+
+
+@dataclass(frozen=True, slots=True)
+class SingleDevice(Strategy):
+    """No parallelism: the model trains as is on one rank (``train_local``'s default).
+
+    Example::
+
+        axon_nb.train_local(model=make_model, data=ds, strategy=SingleDevice(), steps=20)
+    """
+
+    name: ClassVar[str] = "single_device"

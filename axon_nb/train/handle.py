@@ -1,0 +1,157 @@
+"""``TrainHandle``: a training run in progress on the ranks, seen from the kernel."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import ipyparallel as ipp
+
+from axon_nb.cluster.waiting import results
+from axon_nb.train.result import TrainResult, build_result, merge_records
+from axon_nb.train.spec import TrainSpec
+
+if TYPE_CHECKING:
+    from axon_nb.cluster import Cluster
+
+MONITOR_S = 0.1
+"""How often the kernel-side monitor thread reads the ranks' metrics stream."""
+SOFT_STOP_S = 120.0
+"""After Ctrl-C or ``stop()``, how long ranks get to reach the next step boundary."""
+
+
+class TrainHandle:
+    """A run started with ``cluster.train(..., block=False)``.
+
+    Example::
+
+        handle = cluster.train(model=make_model, data=ds, steps=1000, block=False)
+        handle.history[-1]["loss"]    # what has streamed in so far
+        result = handle.stop()        # all ranks stop at the same step; the model stays usable
+    """
+
+    def __init__(
+        self, cluster: Cluster, ar: ipp.AsyncResult, targets: list[int], spec: TrainSpec, run: str
+    ) -> None:
+        self._cluster = cluster
+        self._ar = ar
+        self._targets = targets
+        self._spec = spec
+        self._run = run
+        self._parts = dict(zip(targets, ar.split(), strict=True))
+        self._records: dict[int, dict[int, dict[str, Any]]] = {r: {} for r in targets}
+        self._latest: dict[int, dict[str, Any]] = {}
+        self._result: TrainResult | None = None
+        self._printed = 0
+        self._lock = threading.Lock()
+        # Each publication repeats only the previous one's records, so read them well within
+        # two publication intervals, whether or not anyone is looking.
+        self._monitor = threading.Thread(target=self._watch, name="axon-train-monitor", daemon=True)
+        self._monitor.start()
+
+    @property
+    def name(self) -> str:
+        return self._spec.name
+
+    @property
+    def done(self) -> bool:
+        """True once every rank has finished (or failed)."""
+        return self._ar.ready()
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Steps streamed so far, in :class:`TrainResult`'s ``history`` format."""
+        if self._result is not None:
+            return self._result.history
+        self.poll()
+        with self._lock:
+            return merge_records(self._records)
+
+    @property
+    def latest(self) -> dict[int, dict[str, Any]]:
+        """Each rank's latest publication without its records (status, step, memory, ...)."""
+        self.poll()
+        return dict(self._latest)
+
+    def poll(self) -> None:
+        """Read what the ranks have published since the last poll."""
+        with self._lock:
+            self._read()
+
+    def _watch(self) -> None:
+        while not self._ar.ready():
+            self.poll()
+            time.sleep(MONITOR_S)
+        self.poll()
+
+    def _read(self) -> None:
+        for rank, part in self._parts.items():
+            data = part.data
+            if isinstance(data, list):  # single-target results may still wrap in a list
+                data = data[0] if data else {}
+            if not data or data.get("run") != self._run:
+                continue
+            self._latest[rank] = {k: v for k, v in data.items() if k != "records"}
+            for record in data.get("records", ()):
+                self._records[rank][record["step"]] = record
+
+    def wait(self, timeout: float | None = None) -> TrainResult:
+        """Block until the run ends and return its result (Ctrl-C stops it at a step boundary)."""
+        if self._result is None:
+            parts = self._cluster._wait(
+                self._ar,
+                self._targets,
+                stream=True,
+                timeout=timeout,
+                tick=self._tick,
+                soft_stop_s=SOFT_STOP_S,
+            )
+            self._result = build_result(
+                results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
+            )
+            if self._result.stopped:
+                print(
+                    f"Training stopped at step {self._result.step} on every rank; "
+                    f"`{self.name}` is usable on the ranks, and train(..., resume=True) "
+                    "continues from here.",
+                    file=sys.stderr,
+                )
+        return self._result
+
+    def stop(self, timeout: float | None = None) -> TrainResult:
+        """Stop every rank at the same step boundary and return the result so far."""
+        if not self.done:
+            self._cluster.interrupt(self._targets)
+        return self.wait(timeout)
+
+    def _tick(self) -> None:
+        """Print a progress line each tenth of the run (the dashboard does better)."""
+        with self._lock:
+            self._read()
+            line = self._progress_line()
+        if line:
+            print(line)
+
+    def _progress_line(self) -> str | None:
+        if len(self._latest) < len(self._targets):
+            return None
+        done = min(m["step"] - m["start_step"] for m in self._latest.values())
+        tenth = done * 10 // self._spec.steps
+        first = self._targets[0]
+        if tenth <= self._printed or done >= self._spec.steps or not self._records[first]:
+            return None
+        self._printed = tenth
+        last = self._records[first][max(self._records[first])]
+        total = self._latest[first]["total_steps"]
+        return (
+            f"step {last['step']}/{total}  loss {last['loss']:.4g}  "
+            f"{last['samples_per_s']:.0f} samples/s"
+        )
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "running"
+        history = self.history
+        at = history[-1]["step"] if history else 0
+        return f"<TrainHandle {self.name!r} {state}, step {at}>"

@@ -1,0 +1,101 @@
+"""``train_local``: the ranks' training loop in this process, world size 1, as a reference."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from axon_nb.strategies import SingleDevice
+from axon_nb.train.result import TrainResult, build_result
+from axon_nb.train.spec import check_world, make_spec
+
+
+def train_local(
+    model: Any = None,
+    data: Any = None,
+    *,
+    strategy: Any = None,
+    optimizer: Any = None,
+    loss: Callable[..., Any] | None = None,
+    steps: int,
+    batch_size: int,
+    grad_accum: int = 1,
+    mixed_precision: str | None = None,
+    clip_grad_norm: float | None = None,
+    schedule: str = "constant",
+    warmup_steps: int = 0,
+    seed: int = 0,
+    resume: bool = False,
+    name: str = "model",
+    device: str = "cpu",
+) -> TrainResult:
+    """Run ``cluster.train``'s loop in this process on one ``device`` (default: the CPU).
+
+    Same arguments and data order as ``cluster.train``, so with the same ``batch_size`` and
+    ``seed`` it is the single-process reference a distributed run should match. The strategy
+    defaults to :class:`~axon_nb.strategies.SingleDevice` (no wrapping); another strategy runs
+    in a one-rank gloo world. ``result.model`` is the trained module. Example::
+
+        ref = axon_nb.train_local(model=make_model, data=ds, steps=20, batch_size=32)
+        ref.losses[-1], ref.model
+    """
+    import torch
+
+    from axon_nb.engine import runtime
+    from axon_nb.engine.loop import run
+
+    spec = make_spec(
+        SingleDevice,
+        model=model,
+        data=data,
+        strategy=strategy,
+        optimizer=optimizer,
+        loss=loss,
+        steps=steps,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        mixed_precision=mixed_precision,
+        clip_grad_norm=clip_grad_norm,
+        schedule=schedule,
+        warmup_steps=warmup_steps,
+        seed=seed,
+        resume=resume,
+        name=name,
+        metrics_interval_s=0,
+    )
+    check_world(spec, 1)
+    ctx = runtime.RankContext(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        local_world_size=1,
+        host="localhost",
+        pid=0,
+        device=torch.device(device),
+        backend="gloo",
+        master_addr="127.0.0.1",
+        master_port=0,
+        timeout_s=300.0,
+    )
+    with _one_rank_world(needed=not isinstance(spec.strategy, SingleDevice)):
+        summary, state = run(spec, ctx, sink=None, run_id="local")
+    assert state is not None
+    return build_result(
+        [summary], name=spec.name, strategy=spec.strategy.describe(), model=state.module
+    )
+
+
+@contextlib.contextmanager
+def _one_rank_world(needed: bool) -> Iterator[None]:
+    """A one-rank gloo process group for strategies that need one, unless one exists."""
+    import torch.distributed as dist
+
+    if not needed or dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,118 @@
+"""``TrainResult``: what a training call returns, built from the ranks' step records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PER_RANK_FIELDS = ("loss", "step_time_s", "comm_bytes", "comm_time_s")
+"""Step figures kept for every rank under ``history[i]["per_rank"]``."""
+
+
+def merge_records(by_rank: Mapping[int, Mapping[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One history entry per step from every rank's records (``{rank: {step: record}}``).
+
+    Global figures come from the lowest rank that has the step; ``per_rank`` lists each
+    rank's own figures (None where a rank's record has not arrived yet).
+    """
+    ranks = sorted(by_rank)
+    steps = sorted({step for records in by_rank.values() for step in records})
+    history = []
+    for step in steps:
+        present = [by_rank[r][step] for r in ranks if step in by_rank[r]]
+        first = present[0]
+        entry = {k: v for k, v in first.items() if k not in ("rank_loss", "comm")}
+        entry["step_time_s"] = max(r["step_time_s"] for r in present)
+        entry["per_rank"] = {
+            name: [_rank_field(by_rank[r].get(step), name) for r in ranks]
+            for name in PER_RANK_FIELDS
+        }
+        history.append(entry)
+    return history
+
+
+def _rank_field(record: dict[str, Any] | None, name: str) -> Any:
+    if record is None:
+        return None
+    return record["rank_loss"] if name == "loss" else record[name]
+
+
+@dataclass(kw_only=True)
+class TrainResult:
+    """The outcome of ``cluster.train`` or ``train_local``.
+
+    Example::
+
+        result = cluster.train(model=make_model, data=ds, steps=200, batch_size=64)
+        result.losses[-1], result.samples_per_s, result.ranks[0]["memory"]
+    """
+
+    name: str
+    """Name of the model on the ranks (``%%axon`` variable)."""
+    strategy: str
+    """The strategy, as configured."""
+    status: str
+    """``finished``, or ``stopped`` (Ctrl-C or ``handle.stop()``) at a step boundary."""
+    start_step: int
+    """Global step count when the call started (non-zero when resumed)."""
+    step: int
+    """Global step count when it ended."""
+    history: list[dict[str, Any]]
+    """One entry per step: ``step``, ``loss`` (global mean), ``lr``, ``grad_norm``, ``samples``,
+    ``samples_per_s``, ``step_time_s`` (slowest rank), ``comm_bytes``, ``comm_time_s`` and
+    ``per_rank`` (``loss``, ``step_time_s``, ``comm_bytes``, ``comm_time_s`` lists by rank)."""
+    ranks: list[dict[str, Any]]
+    """Per rank: ``device``, ``memory`` (bytes), ``comm_totals`` (per kind), ``elapsed_s``."""
+    model: Any = field(default=None, repr=False)
+    """``train_local`` only: the trained module itself."""
+
+    @property
+    def stopped(self) -> bool:
+        return self.status == "stopped"
+
+    @property
+    def steps(self) -> int:
+        """Steps run by this call."""
+        return self.step - self.start_step
+
+    @property
+    def losses(self) -> list[float]:
+        """Global mean loss per step."""
+        return [h["loss"] for h in self.history]
+
+    @property
+    def samples_per_s(self) -> float:
+        """Steady-state throughput: samples over step time, leaving out the first step."""
+        steady = self.history[1:] or self.history
+        seconds = sum(h["step_time_s"] for h in steady)
+        return sum(h["samples"] for h in steady) / seconds if seconds else 0.0
+
+    def __repr__(self) -> str:
+        loss = f", loss {self.losses[0]:.4g} -> {self.losses[-1]:.4g}" if self.history else ""
+        return (
+            f"<TrainResult {self.name!r} {self.status} at step {self.step} "
+            f"({self.steps} steps, {len(self.ranks)} ranks{loss}, "
+            f"{self.samples_per_s:.1f} samples/s)>"
+        )
+
+
+def build_result(
+    summaries: list[dict[str, Any]], *, name: str, strategy: str, model: Any = None
+) -> TrainResult:
+    """Combine the ranks' summaries (rank order) into one :class:`TrainResult`."""
+    by_rank = {s["rank"]: {r["step"]: r for r in s["records"]} for s in summaries}
+    statuses = {s["status"] for s in summaries}
+    return TrainResult(
+        name=name,
+        strategy=strategy,
+        status="stopped" if "stopped" in statuses else "finished",
+        start_step=summaries[0]["start_step"],
+        step=summaries[0]["step"],
+        history=merge_records(by_rank),
+        ranks=[
+            {k: s[k] for k in ("rank", "device", "memory", "comm_totals", "elapsed_s")}
+            for s in summaries
+        ],
+        model=model,
+    )

@@ -1,0 +1,148 @@
+"""``TrainSpec``: everything one training run needs, checked once on the kernel, sent to the ranks.
+
+Pure Python (no torch import), so the kernel can build and validate it without touching CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from axon_nb.strategies import Strategy, resolve_strategy
+
+OPTIMIZERS = {
+    "sgd": "SGD",
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "adagrad": "Adagrad",
+    "rmsprop": "RMSprop",
+    "adamax": "Adamax",
+    "nadam": "NAdam",
+    "radam": "RAdam",
+}
+"""Optimizer names accepted in ``optimizer=("name", {...})`` -> ``torch.optim`` class names."""
+
+SCHEDULES = ("constant", "linear", "cosine")
+"""Learning-rate shapes after warm-up: constant, linear decay to 0, cosine decay to 0."""
+
+MIXED_PRECISION = (None, "bf16", "fp16")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainSpec:
+    """One training run, as the ranks receive it."""
+
+    model: Any
+    """``nn.Module`` or a zero-argument callable returning one (called on every rank)."""
+    data: Any
+    """``torch.utils.data.Dataset`` of ``(input, target)`` items, or a callable returning one."""
+    strategy: Strategy
+    """How the model is parallelized across the ranks."""
+    optimizer: tuple[str, dict[str, Any]] | Callable[..., Any]
+    """``(name, kwargs)`` for a ``torch.optim`` optimizer, or ``params -> Optimizer``."""
+    loss: Callable[..., Any] | None = None
+    """``loss(output, target) -> scalar``; None when ``model(input, target)`` returns the loss."""
+    steps: int
+    """Optimizer steps to run in this call."""
+    batch_size: int
+    """Global samples per optimizer step (split over ranks, then over ``grad_accum``)."""
+    grad_accum: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    mixed_precision: str | None = None
+    """``"bf16"`` (autocast), ``"fp16"`` (autocast + grad scaler) or None (fp32)."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value before each optimizer step."""
+    schedule: str = "constant"
+    """Learning-rate shape after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0)."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from 0."""
+    seed: int = 0
+    """Seed for model initialisation (same on every rank) and data order."""
+    resume: bool = False
+    """Continue the run named ``name`` already on the ranks (model, optimizer, step)."""
+    name: str = "model"
+    """Variable name of the trained model in the ranks' namespace (``%%axon`` cells)."""
+    metrics_interval_s: float = 0.5
+    """Seconds between metrics publications from each rank (0 disables streaming)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Reserved for strategies that need more inputs."""
+
+    @property
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        return dict(self.optimizer[1]) if isinstance(self.optimizer, tuple) else {}
+
+
+def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
+    """Build a :class:`TrainSpec` from ``train()`` keywords, raising ``ValueError`` on bad input."""
+    kwargs["strategy"] = resolve_strategy(kwargs.get("strategy"), default_strategy)
+    kwargs["optimizer"] = _optimizer(kwargs.get("optimizer"))
+    spec = TrainSpec(**kwargs)
+    errors = _check(spec)
+    if errors:
+        raise ValueError("invalid training arguments:\n  - " + "\n  - ".join(errors))
+    return spec
+
+
+def check_world(spec: TrainSpec, world_size: int) -> None:
+    """Raise ``ValueError`` if ``spec.batch_size`` cannot be split over ``world_size`` ranks."""
+    per_step = world_size * spec.grad_accum
+    if spec.batch_size % per_step:
+        lower = max(per_step, spec.batch_size // per_step * per_step)
+        raise ValueError(
+            f"batch_size={spec.batch_size} is the global batch per optimizer step; it must be "
+            f"divisible by world_size x grad_accum = {world_size} x {spec.grad_accum} = "
+            f"{per_step} so every rank gets equal micro-batches. Use e.g. batch_size={lower} "
+            f"or {lower + per_step}"
+        )
+    spec.strategy.check_world(world_size)
+
+
+def _optimizer(value: Any) -> tuple[str, dict[str, Any]] | Callable[..., Any]:
+    if value is None:
+        return ("adamw", {"lr": 1e-3})
+    if isinstance(value, str):
+        value = (value, {})
+    if isinstance(value, tuple | list) and len(value) == 2 and isinstance(value[0], str):
+        name, kwargs = value[0].lower(), dict(value[1] or {})
+        if name not in OPTIMIZERS:
+            raise ValueError(
+                f"unknown optimizer {value[0]!r}: use one of {', '.join(sorted(OPTIMIZERS))}, "
+                "or pass a callable `params -> torch.optim.Optimizer`"
+            )
+        return (name, kwargs)
+    if callable(value):
+        return value
+    raise ValueError(
+        f"optimizer must be a (name, kwargs) pair such as ('adamw', {{'lr': 3e-4}}) or a "
+        f"callable `params -> Optimizer`, got {value!r}"
+    )
+
+
+def _check(spec: TrainSpec) -> list[str]:
+    errors = []
+    if spec.model is None and not spec.resume:
+        errors.append("model is required: an nn.Module or a callable returning one")
+    if spec.data is None and not spec.resume:
+        errors.append("data is required: a Dataset of (input, target) or a callable returning one")
+    if spec.loss is not None and not callable(spec.loss):
+        errors.append(f"loss must be callable loss(output, target), got {spec.loss!r}")
+    for name in ("steps", "batch_size", "grad_accum"):
+        value = getattr(spec, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            errors.append(f"{name} must be a positive integer, got {value!r}")
+    if spec.mixed_precision not in MIXED_PRECISION:
+        errors.append(
+            f"mixed_precision must be 'bf16', 'fp16' or None, got {spec.mixed_precision!r}"
+        )
+    if spec.clip_grad_norm is not None and not spec.clip_grad_norm > 0:
+        errors.append(f"clip_grad_norm must be > 0 or None, got {spec.clip_grad_norm!r}")
+    if spec.schedule not in SCHEDULES:
+        errors.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {spec.schedule!r}")
+    if not isinstance(spec.warmup_steps, int) or spec.warmup_steps < 0:
+        errors.append(f"warmup_steps must be an integer >= 0, got {spec.warmup_steps!r}")
+    if not spec.name.isidentifier():
+        errors.append(f"name must be a Python identifier (a variable on the ranks): {spec.name!r}")
+    if spec.metrics_interval_s < 0:
+        errors.append(f"metrics_interval_s must be >= 0, got {spec.metrics_interval_s!r}")
+    return errors

@@ -1,0 +1,41 @@
+"""Small models and datasets for training tests; importable on the ranks (PYTHONPATH)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+
+def make_mlp() -> nn.Module:
+    layers = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)]
+    return nn.Sequential(*layers)
+
+
+def make_data(n: int = 512) -> TensorDataset:
+    """A fixed regression problem: the same samples on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 4, generator=g)
+    return TensorDataset(x, torch.tanh(x @ w) + 0.05 * torch.randn(n, 4, generator=g))
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def failing_on_rank(rank: int):
+    """A model factory that raises on ``rank`` only."""
+
+    def make() -> nn.Module:
+        import torch.distributed as dist
+
+        if dist.get_rank() == rank:
+            raise RuntimeError(f"factory broke on rank {rank}")
+        return make_mlp()
+
+    return make
+
+
+def params(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
