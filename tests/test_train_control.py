@@ -1,0 +1,150 @@
+"""Stopping, resuming, the metrics stream and bad input, on a real 2-rank cluster."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from models import failing_on_rank, make_data, make_mlp, mse
+
+import axon_nb
+from axon_nb.metrics.stream import SCHEMA
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+ARGS: dict[str, Any] = dict(
+    model=make_mlp, data=make_data, loss=mse, batch_size=32, optimizer=("adamw", {"lr": 3e-3})
+)
+LONG = 1_000_000
+"""Steps for runs that are stopped long before they end."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    with axon_nb.Cluster(n=2, timeout=60) as c:
+        yield c
+
+
+def _state(name: str = "model") -> dict[str, Any]:
+    from axon_nb.engine import trainstate
+
+    state = trainstate.get(name)
+    params = {k: v.detach().clone() for k, v in state.module.state_dict().items()}
+    return {"step": state.step, "params": params, "lr": state.optimizer.param_groups[0]["lr"]}
+
+
+def _wait_for_steps(handle: axon_nb.TrainHandle, steps: int) -> None:
+    deadline = time.monotonic() + 60
+    while len(handle.history) < steps:
+        assert not handle.done, "the run ended before it could be stopped"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_stop_leaves_ranks_in_step_and_resume_continues_exactly(cluster: axon_nb.Cluster) -> None:
+    handle = cluster.train(**ARGS, steps=LONG, block=False)
+    assert isinstance(handle, axon_nb.TrainHandle)
+    _wait_for_steps(handle, 5)
+    stopped = handle.stop()
+    assert stopped.stopped and 5 <= stopped.step < LONG
+    states = cluster.run(_state)
+    assert [s["step"] for s in states] == [stopped.step] * 2
+    assert all(torch.equal(v, states[1]["params"][k]) for k, v in states[0]["params"].items())
+
+    resumed = cluster.train(**ARGS, steps=10, resume=True)
+    assert resumed.status == "finished" and resumed.start_step == stopped.step
+    assert resumed.step == stopped.step + 10
+    ref = axon_nb.train_local(**ARGS, steps=stopped.step + 10)  # never interrupted
+    assert resumed.losses == pytest.approx(ref.losses[stopped.step :], abs=1e-5)
+    params = cluster.run(_state)[0]["params"]
+    for k, v in ref.model.state_dict().items():
+        assert torch.allclose(params[k], v, atol=1e-5), k
+
+
+def test_ctrl_c_stops_every_rank_at_one_step_and_keeps_the_model(cluster: axon_nb.Cluster) -> None:
+    timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        result = cluster.train(**ARGS, steps=LONG, name="interrupted")
+    finally:
+        timer.cancel()
+    assert result.stopped and 0 < result.steps < LONG
+    states = cluster.run(_state, "interrupted")
+    assert [s["step"] for s in states] == [result.step] * 2
+    again = cluster.train(**ARGS, steps=3, name="interrupted", resume=True)
+    assert again.step == result.step + 3  # the world and the model still work
+
+
+def test_resume_takes_a_new_learning_rate(cluster: axon_nb.Cluster) -> None:
+    cluster.train(**ARGS, steps=3, name="tuned")
+    args = {**ARGS, "optimizer": ("adamw", {"lr": 1e-4})}
+    result = cluster.train(**args, steps=3, name="tuned", resume=True)
+    assert [h["lr"] for h in result.history] == [1e-4] * 3
+    assert [s["lr"] for s in cluster.run(_state, "tuned")] == [1e-4] * 2
+
+
+def test_metrics_stream_follows_the_documented_schema(cluster: axon_nb.Cluster) -> None:
+    steps = 150
+    handle = cluster.train(**ARGS, steps=steps, metrics_interval_s=0.1, block=False)
+    seen: set[str] = set()
+    while not handle.done:
+        seen |= {m["status"] for m in handle.latest.values()}
+        time.sleep(0.05)
+    time.sleep(0.3)  # the monitor thread's last read
+    streamed = handle.history  # from the stream: wait() has not been called
+    latest = handle.latest
+    result = handle.wait()
+
+    assert "running" in seen
+    assert [m["status"] for m in latest.values()] == ["finished", "finished"]
+    message = latest[1]
+    assert message["schema"] == SCHEMA and message["rank"] == 1 and message["step"] == steps
+    assert message["total_steps"] == message["start_step"] + steps
+    assert {"param_bytes", "grad_bytes", "optimizer_bytes", "rss_bytes"} <= set(message["memory"])
+    assert message["memory"]["grad_bytes"] == message["memory"]["param_bytes"]
+    assert message["memory"]["optimizer_bytes"] >= 2 * message["memory"]["param_bytes"]
+    assert message["comm_totals"]["all_reduce"]["count"] == 2 * steps
+    # Throttled, yet nothing lost: every step arrived through the stream.
+    assert [h["step"] for h in streamed] == [h["step"] for h in result.history]
+    assert [h["loss"] for h in streamed] == result.losses
+    entry = streamed[-1]
+    assert set(entry) >= {"step", "loss", "lr", "samples", "samples_per_s", "comm_bytes"}
+    assert len(entry["per_rank"]["loss"]) == 2
+    assert entry["loss"] == pytest.approx(sum(entry["per_rank"]["loss"]) / 2)
+
+
+def test_a_model_factory_failing_on_one_rank_names_it_and_loses_nothing(
+    cluster: axon_nb.Cluster,
+) -> None:
+    cluster.train(**ARGS, steps=2, name="kept")
+    before = cluster.run(_state, "kept")
+    with pytest.raises(axon_nb.RankError, match="rank 1 raised RuntimeError: factory broke") as e:
+        cluster.train(**{**ARGS, "model": failing_on_rank(1)}, steps=2, name="kept")
+    assert e.value.rank == 1 and e.value.failed_ranks == [1]
+    after = cluster.run(_state, "kept")
+    assert [s["step"] for s in after] == [2, 2]
+    assert all(torch.equal(v, after[0]["params"][k]) for k, v in before[0]["params"].items())
+
+
+def test_bad_input_is_refused_with_what_to_do(cluster: axon_nb.Cluster) -> None:
+    with pytest.raises(ValueError, match="unknown strategy 'zero9'"):
+        cluster.train(**ARGS, steps=2, strategy="zero9")
+    with pytest.raises(ValueError, match="unknown optimizer 'adamm'"):
+        cluster.train(**{**ARGS, "optimizer": ("adamm", {})}, steps=2)
+    with pytest.raises(ValueError, match=r"batch_size=33 .* world_size x grad_accum = 2 x 1"):
+        cluster.train(**{**ARGS, "batch_size": 33}, steps=2)
+    small = {**ARGS, "data": lambda: make_data(20)}
+    with pytest.raises(axon_nb.RankError, match=r"the dataset has 20 samples.*each rank's shard"):
+        cluster.train(**small, steps=2)
+    with pytest.raises(axon_nb.RankError, match="no training run named 'never'"):
+        cluster.train(**ARGS, steps=2, name="never", resume=True)
+    unpaired = {**ARGS, "data": lambda: torch.utils.data.TensorDataset(torch.randn(64, 8))}
+    with pytest.raises(axon_nb.RankError, match=r"\(input, target\) pair"):
+        cluster.train(**unpaired, steps=2)
+    assert cluster.run(lambda: 1) == [1, 1]  # still usable
