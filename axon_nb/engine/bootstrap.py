@@ -79,6 +79,9 @@ def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
     device = torch.device(plan.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        # CPU ranks on one host share its cores; oversubscribed threads slow every rank down.
+        torch.set_num_threads(cpu_threads(plan.local_world_size))
     ctx = runtime.RankContext(
         rank=plan.rank,
         world_size=plan.world_size,
@@ -141,3 +144,8 @@ def _loopback_interface() -> str | None:
 
 
 __all__ = ["BootstrapSpec", "PlacementError", "bootstrap_mpi", "join_world", "probe"]
+
+
+def cpu_threads(local_world_size: int) -> int:
+    """Compute threads for each of ``local_world_size`` CPU ranks sharing this host's cores."""
+    return max(1, (os.cpu_count() or 1) // local_world_size)

@@ -245,17 +245,21 @@ class _Loop:
         self.started = time.monotonic()
 
     def run(self, batches: StepBatches, stop: StopSignal) -> None:
+        # A step's time runs from the end of the previous one, so it includes loading its
+        # data and publishing metrics: samples/s is end to end.
+        started = time.perf_counter()
         for i, microbatches in zip(
             range(self.spec.steps), batches.from_step(self.state.step), strict=False
         ):
-            last = i == self.spec.steps - 1
-            self.step(microbatches, stop, last)
+            self.step(microbatches, stop, last=i == self.spec.steps - 1, started=started)
+            started = time.perf_counter()
             if self.stopped:
                 return
 
-    def step(self, microbatches: list[Any], stop: StopSignal, last: bool) -> None:
+    def step(
+        self, microbatches: list[Any], stop: StopSignal, *, last: bool, started: float
+    ) -> None:
         spec, state = self.spec, self.state
-        started = time.perf_counter()
         lr = state.optimizer.param_groups[0]["lr"]
         loss = spec.strategy.forward_backward(state.model, microbatches, self.micro)
         if state.scaler is not None:

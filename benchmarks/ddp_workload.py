@@ -1,0 +1,76 @@
+"""The workload both sides of ``launch_overhead.py`` train: same model, data, optimizer, batch.
+
+Also a plain torchrun script: ``torchrun --nproc_per_node=2 benchmarks/ddp_workload.py STEPS
+WARMUP`` trains it with hand-written PyTorch DDP and prints ``samples_per_s=<float>``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+BATCH_SIZE = 64
+"""Global samples per step (32 per rank on 2 ranks)."""
+LR = 1e-3
+WIDTH = 1024
+
+
+def make_model() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(256, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 256)
+    )
+
+
+def make_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(16384, 256, generator=g)
+    return TensorDataset(x, torch.sin(x))
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+def torchrun_main(steps: int, warmup: int) -> None:
+    """A plain DDP training script, as a user would write it for torchrun."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # as axon_nb's ranks
+    torch.manual_seed(0)
+    model = DDP(make_model())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    data = make_data()
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0, drop_last=True)
+    loader = DataLoader(data, batch_size=BATCH_SIZE // world, sampler=sampler, drop_last=True)
+    step, epoch, started = 0, 0, time.perf_counter()
+    while step < steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            if step == warmup:
+                started = time.perf_counter()
+            loss = loss_fn(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step == steps:
+                break
+        epoch += 1
+    loss.item()
+    elapsed = time.perf_counter() - started
+    if rank == 0:
+        print(f"samples_per_s={BATCH_SIZE * (steps - warmup) / elapsed}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    torchrun_main(int(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,76 @@
+"""Training throughput of ``cluster.train`` against a plain torchrun script, same workload.
+
+Both train ``ddp_workload``'s model with DDP on 2 CPU ranks (gloo) for the same steps, in
+alternating runs in one process; the first ``--warmup`` steps are left out of each figure.
+Prints samples/s of each and, last, the ratio of medians (axon_nb / torchrun). Target: >= 0.98.
+
+    python benchmarks/launch_overhead.py [--steps 120] [--warmup 20] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+sys.path.insert(0, str(HERE))
+
+import ddp_workload  # noqa: E402
+
+import axon_nb  # noqa: E402
+
+
+def axon_run(cluster: axon_nb.Cluster, steps: int, warmup: int) -> float:
+    result = cluster.train(
+        model=ddp_workload.make_model,
+        data=ddp_workload.make_data,
+        loss=ddp_workload.loss_fn,
+        strategy=axon_nb.DDP(),
+        optimizer=("adamw", {"lr": ddp_workload.LR}),
+        steps=steps,
+        batch_size=ddp_workload.BATCH_SIZE,
+        seed=0,
+    )
+    measured = result.history[warmup:]
+    # Steps of all ranks end together (they agree on the loss), so rank 0's clock is the run's.
+    seconds = sum(h["per_rank"]["step_time_s"][0] for h in measured)
+    return sum(h["samples"] for h in measured) / seconds
+
+
+def torchrun_run(ranks: int, steps: int, warmup: int) -> float:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    out = subprocess.run(
+        [str(torchrun), f"--nproc_per_node={ranks}", str(HERE / "ddp_workload.py"), str(steps),
+         str(warmup)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("samples_per_s="))
+    return float(line.split("=", 1)[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    axon, plain = [], []
+    with axon_nb.Cluster(n=args.ranks) as cluster:
+        for i in range(args.repeats):
+            axon.append(axon_run(cluster, args.steps, args.warmup))
+            plain.append(torchrun_run(args.ranks, args.steps, args.warmup))
+            print(f"run {i + 1}: axon_nb {axon[-1]:.1f} samples/s, torchrun {plain[-1]:.1f}")
+    a, t = statistics.median(axon), statistics.median(plain)
+    print(f"axon_nb cluster.train: {a:.1f} samples/s (median of {args.repeats})")
+    print(f"torchrun script:       {t:.1f} samples/s (median of {args.repeats})")
+    print(f"axon_nb/torchrun = {a / t:.3f}")
+
+
+if __name__ == "__main__":
+    main()
