@@ -1,7 +1,7 @@
 """The workload both sides of ``launch_overhead.py`` train: same model, data, optimizer, batch.
 
 Also a plain torchrun script: ``torchrun --nproc_per_node=2 benchmarks/ddp_workload.py STEPS
-WARMUP`` trains it with hand-written PyTorch DDP and prints ``samples_per_s=<float>``.
+WARMUP [cpu|cuda]`` trains it with hand-written PyTorch DDP and prints ``samples_per_s=<float>``.
 """
 
 from __future__ import annotations
@@ -36,17 +36,24 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
 
 
-def torchrun_main(steps: int, warmup: int) -> None:
+def torchrun_main(steps: int, warmup: int, device_type: str) -> None:
     """A plain DDP training script, as a user would write it for torchrun."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dist.init_process_group("gloo")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # as axon_nb's
     rank, world = dist.get_rank(), dist.get_world_size()
-    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # as axon_nb's ranks
     torch.manual_seed(0)
-    model = DDP(make_model())
+    model = DDP(make_model().to(device), device_ids=[device] if device_type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     data = make_data()
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, seed=0, drop_last=True)
@@ -57,6 +64,7 @@ def torchrun_main(steps: int, warmup: int) -> None:
         for x, y in loader:
             if step == warmup:
                 started = time.perf_counter()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             loss = loss_fn(model(x), y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -73,4 +81,4 @@ def torchrun_main(steps: int, warmup: int) -> None:
 
 
 if __name__ == "__main__":
-    torchrun_main(int(sys.argv[1]), int(sys.argv[2]))
+    torchrun_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "cpu")

@@ -42,13 +42,10 @@ def axon_run(cluster: axon_nb.Cluster, steps: int, warmup: int) -> float:
     return sum(h["samples"] for h in measured) / seconds
 
 
-def torchrun_run(ranks: int, steps: int, warmup: int) -> float:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    out = subprocess.run(
-        [str(torchrun), f"--nproc_per_node={ranks}", str(HERE / "ddp_workload.py"), str(steps),
-         str(warmup)],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+def torchrun_run(ranks: int, steps: int, warmup: int, device: str) -> float:
+    script = [str(HERE / "ddp_workload.py"), str(steps), str(warmup), device]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
+    out = subprocess.run([*torchrun, *script], capture_output=True, text=True, check=True)
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("samples_per_s="))
     return float(line.split("=", 1)[1])
 
@@ -59,12 +56,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (gloo) even on a GPU host
     axon, plain = [], []
     with axon_nb.Cluster(n=args.ranks) as cluster:
         for i in range(args.repeats):
             axon.append(axon_run(cluster, args.steps, args.warmup))
-            plain.append(torchrun_run(args.ranks, args.steps, args.warmup))
+            plain.append(torchrun_run(args.ranks, args.steps, args.warmup, args.device))
             print(f"run {i + 1}: axon_nb {axon[-1]:.1f} samples/s, torchrun {plain[-1]:.1f}")
     a, t = statistics.median(axon), statistics.median(plain)
     print(f"axon_nb cluster.train: {a:.1f} samples/s (median of {args.repeats})")

@@ -148,3 +148,13 @@ def test_bad_input_is_refused_with_what_to_do(cluster: axon_nb.Cluster) -> None:
     with pytest.raises(axon_nb.RankError, match=r"\(input, target\) pair"):
         cluster.train(**unpaired, steps=2)
     assert cluster.run(lambda: 1) == [1, 1]  # still usable
+
+
+def test_a_one_rank_cluster_trains_like_train_local() -> None:
+    with axon_nb.Cluster(n=1, timeout=60) as one:
+        assert one.run(lambda: 7) == [7]  # one rank's results are not wrapped in lists
+        result = one.train(**ARGS, steps=5)
+        states = one.run(_state)
+    ref = axon_nb.train_local(**ARGS, steps=5)
+    assert result.losses == pytest.approx(ref.losses, abs=1e-6)
+    assert all(torch.allclose(states[0]["params"][k], v) for k, v in ref.model.state_dict().items())

@@ -170,7 +170,7 @@ class Cluster:
             cluster.run(lambda: torch.distributed.get_rank())   # [0, 1, 2, 3]
         """
         targets = self._targets(ranks)
-        ar = self.client[targets].apply_async(fn, *args, **kwargs)
+        ar = self._view(targets).apply_async(fn, *args, **kwargs)
         return results(self._wait(ar, targets, stream=stream))
 
     def execute(
@@ -184,7 +184,7 @@ class Cluster:
             cluster.run(lambda: x)   # NameError: functions see their own globals, not the cell's
         """
         targets = self._targets(ranks)
-        ar = self.client[targets].execute(code, silent=False, block=False)
+        ar = self._view(targets).execute(code, silent=False, block=False)
         return self._wait(ar, targets, stream=stream)
 
     def run_script(self, path: str, args: Sequence[str] = ()) -> list[int]:
@@ -197,7 +197,7 @@ class Cluster:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such script: {path!r} (relative to {os.getcwd()})")
         targets = self._targets(None)
-        ar = self.client[targets].apply_async(
+        ar = self._view(targets).apply_async(
             script.run_script, os.path.abspath(path), list(args), os.getcwd()
         )
         return results(self._wait(ar, targets, stream=True))
@@ -268,7 +268,7 @@ class Cluster:
         targets = self._targets(None)
         check_world(spec, len(targets))
         run = uuid.uuid4().hex[:12]
-        ar = self.client[targets].apply_async(_train_on_rank, cloudpickle.dumps(spec), run)
+        ar = self._view(targets).apply_async(_train_on_rank, cloudpickle.dumps(spec), run)
         handle = TrainHandle(self, ar, targets, spec, run)
         return handle.wait() if block else handle
 
@@ -289,6 +289,11 @@ class Cluster:
         )
 
     # -- internals -------------------------------------------------------------------------
+
+    def _view(self, targets: list[int]) -> ipp.DirectView:
+        """A view on ``targets``; one rank is addressed by its id, so results are not wrapped
+        in one-item lists (ipyparallel wraps them for list targets)."""
+        return self.client[targets[0] if len(targets) == 1 else targets]
 
     def _targets(self, ranks: Sequence[int] | None) -> list[int]:
         if not self.running:
@@ -341,7 +346,7 @@ class Cluster:
         )
         port = self.client[0].apply_sync(bootstrap.free_port)
         targets = list(range(len(self.ranks)))
-        ar = self.client[targets].apply_async(world.reform, port)
+        ar = self._view(targets).apply_async(world.reform, port)
         parts = wait_for_ranks(
             ar, targets, control=_Control(self.client, []), timeout=self.options.start_timeout
         )
@@ -396,7 +401,7 @@ class Cluster:
         targets = sorted(self.client.ids)
         try:
             if self.options.engines == "mpi":
-                ar = self.client[targets].apply_async(bootstrap.bootstrap_mpi, spec)
+                ar = self._view(targets).apply_async(bootstrap.bootstrap_mpi, spec)
                 summaries = results(self._wait_start(ar, targets))
             else:
                 summaries = self._join_world_from_kernel(spec, targets)
@@ -417,7 +422,7 @@ class Cluster:
         """Engines without MPI: all on this host; the kernel plans, each rank joins."""
         n = len(targets)
         probes = results(
-            self._wait_start(self.client[targets].apply_async(_probe_by_engine_id, n), targets)
+            self._wait_start(self._view(targets).apply_async(_probe_by_engine_id, n), targets)
         )
         try:
             plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)

@@ -1,0 +1,52 @@
+"""The NCCL / CUDA paths: run where a GPU is present (skipped elsewhere, e.g. in CI)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from models import make_data, make_mlp, mse
+
+import axon_nb
+from axon_nb import DDP
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.cluster,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ARGS = dict(model=make_mlp, data=make_data, loss=mse, batch_size=32, steps=25, seed=0)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    with axon_nb.Cluster(n=1, timeout=120) as c:  # backend "auto" must pick nccl
+        yield c
+
+
+def _rank_params() -> dict[str, torch.Tensor]:
+    from axon_nb.engine import trainstate
+
+    return {k: v.detach().cpu() for k, v in trainstate.get("model").module.state_dict().items()}
+
+
+def test_auto_binds_the_gpu_and_picks_nccl(cluster: axon_nb.Cluster) -> None:
+    assert cluster.ranks[0]["backend"] == "nccl"
+    assert cluster.ranks[0]["device"] == "cuda:0"
+
+
+@pytest.mark.parametrize("hook", [None, "bf16"])
+def test_ddp_on_nccl_matches_one_process_on_the_gpu(cluster: axon_nb.Cluster, hook: str) -> None:
+    result = cluster.train(**ARGS, strategy=DDP(comm_hook=hook))
+    ref = axon_nb.train_local(**ARGS, device="cuda")
+    tolerance = 1e-5 if hook is None else 1e-2
+    assert result.losses == pytest.approx(ref.losses, abs=tolerance)
+    params = cluster.run(_rank_params)[0]
+    for k, v in ref.model.state_dict().items():
+        assert torch.allclose(params[k], v.cpu(), atol=tolerance), k
+    memory = result.ranks[0]["memory"]
+    assert memory["cuda_peak"] >= memory["cuda_allocated"] > 0
+    assert result.ranks[0]["comm_totals"]["all_reduce"]["count"] >= ARGS["steps"]
