@@ -27,6 +27,7 @@ test: lint
 
 bench: install
 	$(BIN)/python benchmarks/cluster_start.py
+	$(BIN)/python benchmarks/launch_overhead.py
 
 clean:
 	rm -rf $(VENV) build

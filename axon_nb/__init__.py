@@ -43,10 +43,24 @@ __all__ = [
     "Strategy",
     "TrainHandle",
     "TrainResult",
+    "current_cluster",
     "load_ipython_extension",
     "train_local",
     "unload_ipython_extension",
 ]
+
+
+def current_cluster() -> Cluster:
+    """The cluster started by ``%axon_cluster`` in this kernel (see ``axon_nb.magics``).
+
+    Example::
+
+        %axon_cluster 2
+        cluster = axon_nb.current_cluster()
+    """
+    from axon_nb.magics import current_cluster as current
+
+    return current()
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -23,9 +23,13 @@ from axon_nb.errors import NoClusterError
 class AxonMagics(Magics):
     """``%axon_cluster``, ``%%axon`` and ``%axon_run``; one cluster per kernel."""
 
+    instance: AxonMagics | None = None
+    """The magics of the running kernel (for :func:`current_cluster`)."""
+
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.cluster: Cluster | None = None
+        AxonMagics.instance = self
 
     @magic_arguments()
     @argument("n", nargs="?", help="number of ranks to start")
@@ -196,3 +200,21 @@ def _show_results(parts: dict[int, Any]) -> None:
 def _single(value: Any) -> Any:
     """A one-rank AsyncResult may still wrap its metadata in a one-item list."""
     return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def current_cluster() -> Cluster:
+    """The cluster that ``%axon_cluster`` started in this kernel, for the Python API.
+
+    Example::
+
+        In [1]: %axon_cluster 2
+        In [2]: cluster = axon_nb.current_cluster()
+        In [3]: result = cluster.train(model=make_model, data=ds, steps=100, batch_size=64)
+    """
+    magics = AxonMagics.instance
+    if magics is None or magics.cluster is None or not magics.cluster.running:
+        raise NoClusterError(
+            "no cluster was started with `%axon_cluster N` in this kernel: run it first, or "
+            "create one with `axon_nb.Cluster(n=N).start()`"
+        )
+    return magics.cluster
