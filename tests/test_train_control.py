@@ -51,6 +51,9 @@ def test_stop_leaves_ranks_in_step_and_resume_continues_exactly(cluster: axon_nb
     handle = cluster.train(**ARGS, steps=LONG, block=False)
     assert isinstance(handle, axon_nb.TrainHandle)
     _wait_for_steps(handle, 5)
+    with pytest.raises(TimeoutError, match="still running"):
+        handle.wait(timeout=0.2)  # says so, and leaves the run going
+    assert not handle.done
     stopped = handle.stop()
     assert stopped.stopped and 5 <= stopped.step < LONG
     states = cluster.run(_state)

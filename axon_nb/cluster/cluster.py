@@ -31,7 +31,7 @@ from axon_nb.errors import (
 )
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.result import TrainResult
-from axon_nb.train.spec import check_world, make_spec
+from axon_nb.train.spec import SPEC_FIELDS, check_world, make_spec
 
 RANK_GONE_S = 2.0
 """While starting, a rank process missing this long under its MPI proxy has exited."""
@@ -246,25 +246,8 @@ class Cluster:
         """
         from axon_nb.strategies import DDP
 
-        spec = make_spec(
-            DDP,
-            model=model,
-            data=data,
-            strategy=strategy,
-            optimizer=optimizer,
-            loss=loss,
-            steps=steps,
-            batch_size=batch_size,
-            grad_accum=grad_accum,
-            mixed_precision=mixed_precision,
-            clip_grad_norm=clip_grad_norm,
-            schedule=schedule,
-            warmup_steps=warmup_steps,
-            seed=seed,
-            resume=resume,
-            name=name,
-            metrics_interval_s=metrics_interval_s,
-        )
+        # Every keyword above that names a TrainSpec field goes into the spec.
+        spec = make_spec(DDP, **{k: v for k, v in locals().items() if k in SPEC_FIELDS})
         targets = self._targets(None)
         check_world(spec, len(targets))
         run = uuid.uuid4().hex[:12]

@@ -25,6 +25,9 @@ SOFT_STOP_S = 120.0
 class TrainHandle:
     """A run started with ``cluster.train(..., block=False)``.
 
+    The ranks are busy until it ends: other work sent to them (``%%axon`` cells,
+    ``cluster.run``) waits in their queue behind it.
+
     Example::
 
         handle = cluster.train(model=make_model, data=ds, steps=1000, block=False)
@@ -98,15 +101,18 @@ class TrainHandle:
                 self._records[rank][record["step"]] = record
 
     def wait(self, timeout: float | None = None) -> TrainResult:
-        """Block until the run ends and return its result (Ctrl-C stops it at a step boundary)."""
+        """Block until the run ends and return its result (Ctrl-C stops it at a step boundary).
+
+        With ``timeout``, raise ``TimeoutError`` if it is still running then; it keeps running.
+        """
         if self._result is None:
+            if timeout is not None and not self._ar.wait(timeout):
+                raise TimeoutError(
+                    f"training {self.name!r} is still running after {timeout:g} s; call wait() "
+                    "again, or stop() to end it at the next step"
+                )
             parts = self._cluster._wait(
-                self._ar,
-                self._targets,
-                stream=True,
-                timeout=timeout,
-                tick=self._tick,
-                soft_stop_s=SOFT_STOP_S,
+                self._ar, self._targets, stream=True, tick=self._tick, soft_stop_s=SOFT_STOP_S
             )
             self._result = build_result(
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()

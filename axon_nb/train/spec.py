@@ -6,7 +6,7 @@ Pure Python (no torch import), so the kernel can build and validate it without t
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from axon_nb.strategies import Strategy, resolve_strategy
@@ -71,6 +71,10 @@ class TrainSpec:
     @property
     def optimizer_kwargs(self) -> dict[str, Any]:
         return dict(self.optimizer[1]) if isinstance(self.optimizer, tuple) else {}
+
+
+SPEC_FIELDS = frozenset(f.name for f in fields(TrainSpec))
+"""Keyword arguments of ``train()`` that belong to the spec."""
 
 
 def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
