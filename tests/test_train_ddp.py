@@ -118,3 +118,17 @@ def test_schedule_and_warmup_follow_the_reference(cluster: axon_nb.Cluster) -> N
     assert lrs == [h["lr"] for h in ref.history]
     assert lrs[:5] == pytest.approx([3e-3 * (i + 1) / 5 for i in range(5)])
     assert lrs[-1] < 0.01 * 3e-3
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [DDP(bucket_cap_mb=0.002, find_unused_parameters=True), DDP(static_graph=True)],
+    ids=["small-buckets-unused", "static-graph"],
+)
+def test_ddp_options_reach_ddp_and_keep_the_result(cluster: axon_nb.Cluster, strategy: DDP) -> None:
+    result, _, loss_diff, param_diff = _compare(cluster, strategy=strategy)
+    assert loss_diff < EXACT and param_diff < EXACT
+    count = result.ranks[0]["comm_totals"]["all_reduce"]["count"] / STEPS
+    # One all-reduce per gradient bucket plus the loss agreement: 2 KB buckets split the 5.9 KB
+    # of gradients, the default 25 MB bucket holds them all.
+    assert count > 2 if strategy.bucket_cap_mb < 1 else count == 2
