@@ -94,6 +94,25 @@ class AxonMagics(Magics):
         _show_results(parts)
 
     @line_magic
+    def axon_dashboard(self, line: str) -> None:
+        """Show the live dashboard of the latest ``cluster.train`` run (e.g. ``block=False``).
+
+        ::
+
+            In [4]: handle = axon_nb.current_cluster().train(..., block=False)
+            In [5]: %axon_dashboard
+        """
+        if line.strip():
+            raise UsageError("%axon_dashboard takes no arguments; it shows the latest run")
+        run = self._require_cluster().last_run
+        if run is None:
+            raise UsageError(
+                "no training run yet on this cluster: start one with "
+                "`axon_nb.current_cluster().train(..., block=False)`"
+            )
+        run.show()
+
+    @line_magic
     def axon_run(self, line: str) -> None:
         """Run an unmodified torchrun-style script on every rank and stream its output.
 

@@ -39,3 +39,18 @@ def failing_on_rank(rank: int):
 
 def params(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def mse_failing_at(step: int, rank: int):
+    """``mse``, except that the ``step``-th call on ``rank`` raises (a failure mid-run)."""
+    calls = {"n": 0}
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        calls["n"] += 1
+        if dist.get_rank() == rank and calls["n"] == step:
+            raise FloatingPointError(f"loss diverged on rank {rank}")
+        return mse(output, target)
+
+    return loss

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from models import failing_on_rank, make_data, make_mlp, mse
+from models import failing_on_rank, make_data, make_mlp, mse, mse_failing_at
 
 import axon_nb
 from axon_nb.metrics.stream import SCHEMA
@@ -161,3 +161,21 @@ def test_a_one_rank_cluster_trains_like_train_local() -> None:
     ref = axon_nb.train_local(**ARGS, steps=5)
     assert result.losses == pytest.approx(ref.losses, abs=1e-6)
     assert all(torch.allclose(states[0]["params"][k], v) for k, v in ref.model.state_dict().items())
+
+
+def test_the_dashboard_follows_a_real_run_and_shows_a_failed_rank(cluster: axon_nb.Cluster) -> None:
+    result = cluster.train(**ARGS, steps=40, metrics_interval_s=0.1, name="watched")
+    dashboard = result.dashboard
+    assert dashboard is cluster.last_run.dashboard
+    assert dashboard.frozen and dashboard.progress["step"] == result.step
+    assert [r["status"] for r in dashboard.ranks] == ["finished", "finished"]
+    assert dashboard.loss["global"] == pytest.approx(result.losses)
+
+    failing = {**ARGS, "loss": mse_failing_at(20, 1)}
+    with pytest.raises(axon_nb.RankError, match="rank 1 raised FloatingPointError"):
+        cluster.train(**failing, steps=40, metrics_interval_s=0.1, name="failing")
+    deadline = time.monotonic() + 5
+    while not cluster.last_run.dashboard.frozen and time.monotonic() < deadline:
+        time.sleep(0.05)  # the monitor thread delivers the end of the run
+    ranks = {r["rank"]: r for r in cluster.last_run.dashboard.ranks}
+    assert ranks[1]["status"] == "failed" and "loss diverged" in ranks[1]["error"]

@@ -76,6 +76,8 @@ class Cluster:
         self._broken: str | None = None
         self.ranks: list[dict[str, Any]] = []
         """One summary per rank (rank, host, pid, device, backend, ...), in rank order."""
+        self.last_run: TrainHandle | None = None
+        """The latest ``train()`` call's handle (``%axon_dashboard`` shows its dashboard)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -253,6 +255,9 @@ class Cluster:
         run = uuid.uuid4().hex[:12]
         ar = self._view(targets).apply_async(_train_on_rank, cloudpickle.dumps(spec), run)
         handle = TrainHandle(self, ar, targets, spec, run)
+        self.last_run = handle
+        if block and _in_notebook():
+            handle.show()
         return handle.wait() if block else handle
 
     def interrupt(self, ranks: Sequence[int] | None = None) -> None:
@@ -443,6 +448,14 @@ def _probe_by_engine_id(world_size: int) -> Any:
 
     rank = _engine_id()
     return probe(rank, rank, world_size)
+
+
+def _in_notebook() -> bool:
+    """True in a Jupyter kernel, where widgets render (not in a terminal or a test)."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
 def _train_on_rank(spec_bytes: bytes, run: str) -> Any:

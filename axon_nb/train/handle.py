@@ -5,13 +5,14 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import ipyparallel as ipp
 
 from axon_nb.cluster.waiting import results
 from axon_nb.train.result import TrainResult, build_result, merge_records
 from axon_nb.train.spec import TrainSpec
+from axon_nb.widgets.dashboard import Dashboard
 
 if TYPE_CHECKING:
     from axon_nb.cluster import Cluster
@@ -19,6 +20,18 @@ if TYPE_CHECKING:
 MONITOR_S = 0.1
 """How often the kernel-side monitor thread reads the ranks' metrics stream."""
 SOFT_STOP_S = 120.0
+
+
+class MetricsListener(Protocol):
+    """Receives the metrics stream of one run (called from the monitor thread)."""
+
+    def message(self, rank: int, message: dict[str, Any]) -> None:
+        """One publication of ``rank`` (schema ``axon_nb.metrics/1``)."""
+
+    def done(self, failures: dict[int, str]) -> None:
+        """The run ended; ``failures`` maps failed ranks to their error."""
+
+
 """After Ctrl-C or ``stop()``, how long ranks get to reach the next step boundary."""
 
 
@@ -48,6 +61,14 @@ class TrainHandle:
         self._latest: dict[int, dict[str, Any]] = {}
         self._result: TrainResult | None = None
         self._printed = 0
+        self.shown = False
+        """True once the dashboard is displayed (then no text progress is printed)."""
+        self._listeners: list[MetricsListener] = []
+        self.dashboard = Dashboard(
+            len(targets), title=f"{spec.name} · {spec.strategy.name} · {len(targets)} ranks"
+        )
+        """The live widget of this run; display it (``%axon_dashboard``) to watch."""
+        self._listeners.append(self.dashboard)
         self._lock = threading.Lock()
         # Each publication repeats only the previous one's records, so read them well within
         # two publication intervals, whether or not anyone is looking.
@@ -83,11 +104,26 @@ class TrainHandle:
         with self._lock:
             self._read()
 
+    def add_listener(self, listener: MetricsListener) -> None:
+        """Send every new publication, and the run's end, to ``listener`` (a dashboard)."""
+        with self._lock:
+            self._listeners.append(listener)
+            for rank, message in self._latest.items():  # catch up on what came before
+                listener.message(rank, {**message, "records": list(self._records[rank].values())})
+
     def _watch(self) -> None:
         while not self._ar.ready():
             self.poll()
             time.sleep(MONITOR_S)
         self.poll()
+        failures = {
+            rank: _error_text(part)
+            for rank, part in self._parts.items()
+            if part.ready() and not part.successful()
+        }
+        with self._lock:
+            for listener in self._listeners:
+                listener.done(failures)
 
     def _read(self) -> None:
         for rank, part in self._parts.items():
@@ -96,7 +132,12 @@ class TrainHandle:
                 data = data[0] if data else {}
             if not data or data.get("run") != self._run:
                 continue
+            previous = self._latest.get(rank)
+            if previous is not None and previous["heartbeat"] == data["heartbeat"]:
+                continue  # nothing new from this rank
             self._latest[rank] = {k: v for k, v in data.items() if k != "records"}
+            for listener in self._listeners:
+                listener.message(rank, data)
             for record in data.get("records", ()):
                 self._records[rank][record["step"]] = record
 
@@ -111,12 +152,17 @@ class TrainHandle:
                     f"training {self.name!r} is still running after {timeout:g} s; call wait() "
                     "again, or stop() to end it at the next step"
                 )
-            parts = self._cluster._wait(
-                self._ar, self._targets, stream=True, tick=self._tick, soft_stop_s=SOFT_STOP_S
-            )
+            try:
+                parts = self._cluster._wait(
+                    self._ar, self._targets, stream=True, tick=self._tick, soft_stop_s=SOFT_STOP_S
+                )
+            finally:
+                # The monitor's last read and the dashboard's final state come before the result.
+                self._monitor.join(timeout=MONITOR_S * 50)
             self._result = build_result(
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
             )
+            self._result.dashboard = self.dashboard
             if self._result.stopped:
                 print(
                     f"Training stopped at step {self._result.step} on every rank; "
@@ -126,6 +172,13 @@ class TrainHandle:
                 )
         return self._result
 
+    def show(self) -> None:
+        """Display the dashboard in the notebook (what ``%axon_dashboard`` does)."""
+        from IPython.display import display
+
+        display(self.dashboard)
+        self.shown = True
+
     def stop(self, timeout: float | None = None) -> TrainResult:
         """Stop every rank at the same step boundary and return the result so far."""
         if not self.done:
@@ -133,7 +186,9 @@ class TrainHandle:
         return self.wait(timeout)
 
     def _tick(self) -> None:
-        """Print a progress line each tenth of the run (the dashboard does better)."""
+        """Print a progress line each tenth of the run, where no dashboard is shown."""
+        if self.shown:
+            return
         with self._lock:
             self._read()
             line = self._progress_line()
@@ -161,3 +216,9 @@ class TrainHandle:
         history = self.history
         at = history[-1]["step"] if history else 0
         return f"<TrainHandle {self.name!r} {state}, step {at}>"
+
+
+def _error_text(part: ipp.AsyncResult) -> str:
+    error = part.exception()
+    ename = getattr(error, "ename", type(error).__name__)
+    return f"{ename}: {getattr(error, 'evalue', error)}"

@@ -66,6 +66,20 @@ class TrainResult:
     """Per rank: ``device``, ``memory`` (bytes), ``comm_totals`` (per kind), ``elapsed_s``."""
     model: Any = field(default=None, repr=False)
     """``train_local`` only: the trained module itself."""
+    dashboard: Any = field(default=None, repr=False)
+    """``cluster.train`` only: the run's :class:`~axon_nb.widgets.dashboard.Dashboard`
+    (``result.dashboard.save("run.html")`` exports it)."""
+
+    def plot(self, path: Any = None) -> Any:
+        """A matplotlib summary (loss, memory and communication per rank); PNG at ``path``.
+
+        Example::
+
+            result.plot("run.png")
+        """
+        from axon_nb.widgets._plot import plot_result
+
+        return plot_result(self, path)
 
     @property
     def stopped(self) -> bool:

@@ -1,0 +1,173 @@
+// axon_nb training dashboard: progress, loss chart, memory and communication per rank.
+// Plain DOM + SVG; the kernel sends new loss points as {type: "append"} messages.
+
+const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
+
+function el(tag, attrs = {}, children = []) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  return node;
+}
+
+function bytes(n) {
+  if (n == null) return "–";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (Math.abs(n) >= 1024 && i < units.length - 1) { n /= 1024; i++; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+}
+
+function seconds(s) {
+  if (s == null) return "–";
+  if (s < 60) return `${s.toFixed(1)} s`;
+  const m = Math.floor(s / 60);
+  return m < 60 ? `${m} min ${Math.round(s % 60)} s` : `${Math.floor(m / 60)} h ${m % 60} min`;
+}
+
+function linePath(xs, ys, sx, sy) {
+  let d = "";
+  for (let i = 0; i < xs.length; i++) {
+    if (ys[i] == null) continue;
+    d += `${d ? "L" : "M"}${sx(xs[i]).toFixed(1)},${sy(ys[i]).toFixed(1)}`;
+  }
+  return d;
+}
+
+function drawLoss(box, series, perRank) {
+  const W = 460, H = 180, L = 48, R = 8, T = 8, B = 22;
+  const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "axon-chart" });
+  const xs = series.steps, lines = [series.global];
+  if (perRank) lines.push(...series.per_rank);
+  const all = lines.flat().filter((v) => v != null && isFinite(v));
+  if (!xs.length || !all.length) {
+    box.replaceChildren(el("div", { class: "axon-empty" }, ["waiting for the first steps…"]));
+    return;
+  }
+  const x0 = xs[0], x1 = Math.max(xs[xs.length - 1], x0 + 1);
+  const y0 = Math.min(...all), y1 = Math.max(...all, y0 + 1e-12);
+  const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
+  const sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  chart.append(svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axon-axis" }));
+  chart.append(svg("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axon-axis" }));
+  for (const [y, label] of [[y1, y1], [y0, y0]]) {
+    const t = svg("text", { x: L - 4, y: sy(y) + 4, "text-anchor": "end", class: "axon-tick" });
+    t.textContent = label.toPrecision(3);
+    chart.append(t);
+  }
+  for (const x of [x0, x1]) {
+    const t = svg("text", { x: sx(x), y: H - 6, "text-anchor": "middle", class: "axon-tick" });
+    t.textContent = `step ${x}`;
+    chart.append(t);
+  }
+  if (perRank) {
+    series.per_rank.forEach((ys, r) => chart.append(svg("path", {
+      d: linePath(xs, ys, sx, sy), class: "axon-rank-line", stroke: COLORS[r % COLORS.length],
+    })));
+  }
+  chart.append(svg("path", { d: linePath(xs, series.global, sx, sy), class: "axon-loss-line" }));
+  box.replaceChildren(chart);
+}
+
+function render({ model, el: root }) {
+  let series = { steps: [], global: [], per_rank: [] };
+  let perRank = false;
+  const head = el("div", { class: "axon-head" });
+  const bar = el("progress", { class: "axon-progress", max: "1", value: "0" });
+  const progressText = el("div", { class: "axon-progress-text" });
+  const lossBox = el("div", { class: "axon-loss" });
+  const toggle = el("input", { type: "checkbox" });
+  const memoryBox = el("div", { class: "axon-memory" });
+  const commBox = el("div", { class: "axon-comm" });
+  const errors = el("div", { class: "axon-errors" });
+  toggle.addEventListener("change", () => { perRank = toggle.checked; drawLoss(lossBox, series, perRank); });
+  root.classList.add("axon-dashboard");
+  root.append(
+    head, bar, progressText,
+    el("div", { class: "axon-section" }, ["Loss (global mean) ", el("label", {}, [toggle, " per rank"])]),
+    lossBox,
+    el("div", { class: "axon-section" }, ["Memory per rank"]), memoryBox,
+    el("div", { class: "axon-section" }, ["Communication per rank (per step)"]), commBox,
+    errors,
+  );
+
+  function drawHead() {
+    const chips = model.get("ranks").map((r) =>
+      el("span", { class: `axon-chip axon-${r.status}`, title: r.error || r.status, "data-rank": r.rank },
+        [`rank ${r.rank}: ${r.status}`]));
+    head.replaceChildren(el("strong", {}, [model.get("title") || "training"]), ...chips);
+    const failed = model.get("ranks").filter((r) => r.error);
+    errors.replaceChildren(...failed.map((r) => el("div", { class: "axon-error" }, [`rank ${r.rank}: ${r.error}`])));
+  }
+
+  function drawProgress() {
+    const p = model.get("progress");
+    const span = Math.max(1, (p.total || 0) - (p.start || 0));
+    bar.value = Math.min(1, ((p.step || 0) - (p.start || 0)) / span);
+    const eta = model.get("frozen") ? "done" : `ETA ${seconds(p.eta_s)}`;
+    progressText.textContent =
+      `step ${p.step || 0} / ${p.total || 0} · ${seconds(p.elapsed_s || 0)} · ${eta} · ` +
+      `${Math.round(p.samples_per_s || 0)} samples/s`;
+    progressText.setAttribute("data-step", p.step || 0);
+  }
+
+  function drawMemory() {
+    const rows = model.get("memory");
+    const top = Math.max(1, ...rows.map((r) => Math.max(r.peak || 0, r.held || 0)));
+    memoryBox.replaceChildren(...rows.map((r) => el("div", { class: "axon-row" }, [
+      el("span", { class: "axon-label" }, [`rank ${r.rank}`]),
+      el("div", { class: "axon-bar" }, [
+        el("div", { class: "axon-bar-peak", style: `width:${(100 * (r.peak || 0)) / top}%` }),
+        el("div", { class: "axon-bar-held", style: `width:${(100 * (r.held || 0)) / top}%` }),
+      ]),
+      el("span", { class: "axon-value" }, [
+        `${bytes(r.held)} (peak ${bytes(r.peak)})` + (r.rss_bytes ? ` · RSS ${bytes(r.rss_bytes)}` : ""),
+      ]),
+    ])));
+  }
+
+  function drawComm() {
+    const rows = model.get("communication");
+    commBox.replaceChildren(...rows.map((r) => {
+      const kinds = Object.entries(r.per_step).map(([kind, c]) =>
+        `${kind} ${bytes(c.bytes)} in ${(1000 * c.time_s).toFixed(2)} ms`);
+      return el("div", { class: "axon-row" }, [
+        el("span", { class: "axon-label" }, [`rank ${r.rank}`]),
+        el("div", { class: "axon-bar" }, [el("div", { class: "axon-bar-comm", style: `width:${100 * r.share}%` })]),
+        el("span", { class: "axon-value" }, [`${(100 * r.share).toFixed(0)}% of time · ${kinds.join(" · ") || "–"}`]),
+      ]);
+    }));
+  }
+
+  function setLoss() {
+    const full = model.get("loss");
+    series = { steps: [...(full.steps || [])], global: [...(full.global || [])], per_rank: (full.per_rank || []).map((s) => [...s]) };
+    drawLoss(lossBox, series, perRank);
+  }
+
+  model.on("msg:custom", (msg) => {
+    if (msg.type !== "append") return;
+    const last = series.steps.length ? series.steps[series.steps.length - 1] : -Infinity;
+    for (const [step, loss] of msg.points) {
+      if (step <= last) continue;
+      series.steps.push(step);
+      series.global.push(loss);
+      series.per_rank.forEach((s) => s.push(null));
+    }
+    drawLoss(lossBox, series, perRank);
+    root.setAttribute("data-points", series.steps.length);
+  });
+  for (const [name, draw] of [["ranks", drawHead], ["title", drawHead], ["progress", drawProgress],
+    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss]]) {
+    model.on(`change:${name}`, draw);
+  }
+  drawHead(); drawProgress(); drawMemory(); drawComm(); setLoss();
+}
+
+export default { render };

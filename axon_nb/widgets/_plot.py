@@ -1,0 +1,54 @@
+"""A static PNG summary of a run (matplotlib), for headless runs and reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+    from axon_nb.train.result import TrainResult
+
+
+def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:
+    """Loss per step, model-state memory per rank and communication share per rank."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 3.6), layout="constrained")
+    loss_ax, memory_ax, comm_ax = fig.subplots(1, 3)
+    steps = [h["step"] for h in result.history]
+    loss_ax.plot(steps, result.losses, label="global mean", linewidth=2)
+    if result.history and len(result.ranks) > 1:
+        for rank in range(len(result.ranks)):
+            per_rank = [h["per_rank"]["loss"][rank] for h in result.history]
+            loss_ax.plot(steps, per_rank, linewidth=0.8, alpha=0.6, label=f"rank {rank}")
+    loss_ax.set(title=f"{result.name}: loss", xlabel="step")
+    loss_ax.legend(fontsize=7)
+
+    ranks = [r["rank"] for r in result.ranks]
+    parts = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    bottom = [0.0] * len(ranks)
+    for part in parts:
+        mib = [_get(r["memory"], part) / 2**20 for r in result.ranks]
+        memory_ax.bar(ranks, mib, bottom=bottom, label=part.removesuffix("_bytes"))
+        bottom = [b + m for b, m in zip(bottom, mib, strict=True)]
+    memory_ax.set(title="model state per rank (MiB)", xlabel="rank", xticks=ranks)
+    memory_ax.legend(fontsize=7)
+
+    share = [_comm_share(result, r) for r in ranks]
+    comm_ax.bar(ranks, [100 * s for s in share], color="#e6550d")
+    comm_ax.set(title="time in collectives (%)", xlabel="rank", xticks=ranks, ylim=(0, 100))
+    if path is not None:
+        fig.savefig(path, dpi=110)
+    return fig
+
+
+def _get(memory: dict[str, Any], key: str) -> float:
+    return float(memory.get(key, 0) or 0)
+
+
+def _comm_share(result: TrainResult, rank: int) -> float:
+    step_time = sum(h["per_rank"]["step_time_s"][rank] or 0 for h in result.history)
+    comm_time = sum(h["per_rank"]["comm_time_s"][rank] or 0 for h in result.history)
+    return min(1.0, comm_time / step_time) if step_time else 0.0

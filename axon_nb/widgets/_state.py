@@ -1,0 +1,170 @@
+"""What the dashboard shows, computed from the metrics stream; no widgets here, so it is
+tested by feeding it a recorded stream.
+
+Messages follow ``axon_nb.metrics.stream`` (schema ``axon_nb.metrics/1``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+STALL_AFTER_S = 10.0
+"""A running rank with no publication for this long is shown as stalled."""
+MAX_POINTS = 400
+"""Loss points kept per series; older ones are thinned (every other one dropped)."""
+
+
+class DashboardState:
+    """Folds per-rank publications into progress, loss, memory, communication and status.
+
+    Example::
+
+        state = DashboardState(world_size=2)
+        state.update(0, message)          # one publication of rank 0
+        state.snapshot()["progress"]      # {"step": ..., "total": ..., "eta_s": ..., ...}
+    """
+
+    def __init__(
+        self, world_size: int, *, stall_after_s: float = STALL_AFTER_S, max_points: int = MAX_POINTS
+    ) -> None:
+        self.world_size = world_size
+        self.stall_after_s = stall_after_s
+        self.max_points = max_points
+        self.latest: dict[int, dict[str, Any]] = {}
+        self.errors: dict[int, str] = {}
+        self.peaks: dict[int, int] = {}
+        self.steps: list[int] = []
+        self.loss: list[float] = []
+        self.rank_loss: dict[int, dict[int, float]] = {r: {} for r in range(world_size)}
+        self.rates: dict[int, float] = {}
+        self._pending: list[tuple[int, float]] = []
+        self.frozen = False
+
+    # -- input -----------------------------------------------------------------------------
+
+    def update(self, rank: int, message: dict[str, Any]) -> None:
+        """Take one publication of ``rank`` (records may repeat earlier ones)."""
+        if self.frozen:
+            return
+        self.latest[rank] = {k: v for k, v in message.items() if k != "records"}
+        if message.get("status") == "failed" and message.get("error"):
+            self.errors[rank] = message["error"]
+        memory = message.get("memory") or {}
+        self.peaks[rank] = max(self.peaks.get(rank, 0), _held(memory))
+        last = self.steps[-1] if self.steps else 0
+        records = message.get("records") or ()
+        if records:
+            self.rates[rank] = records[-1]["samples_per_s"]
+        for record in records:
+            step = record["step"]
+            self.rank_loss.setdefault(rank, {})[step] = record["rank_loss"]
+            if step > last:  # every rank reports the same global loss; take it once
+                self.steps.append(step)
+                self.loss.append(record["loss"])
+                self._pending.append((step, record["loss"]))
+                last = step
+        if len(self.steps) > 2 * self.max_points:
+            self.steps, self.loss = self.steps[::2], self.loss[::2]
+
+    def fail(self, rank: int, error: str) -> None:
+        """Mark ``rank`` failed (an error seen by the kernel, e.g. before it ever published)."""
+        self.errors[rank] = error
+
+    def freeze(self) -> None:
+        """The run has ended: keep the final state, ignore anything later."""
+        self.frozen = True
+
+    # -- output ----------------------------------------------------------------------------
+
+    def status(self, rank: int, now: float | None = None) -> str:
+        """``waiting``, ``running``, ``finished``, ``stopped``, ``failed`` or ``stalled``."""
+        if rank in self.errors:
+            return "failed"
+        message = self.latest.get(rank)
+        if message is None:
+            return "waiting"
+        status = message["status"]
+        now = time.time() if now is None else now
+        silent = now - message["heartbeat"] > self.stall_after_s
+        return "stalled" if status == "running" and silent and not self.frozen else status
+
+    def progress(self) -> dict[str, Any]:
+        """Step (slowest rank), total, elapsed, ETA and throughput."""
+        if not self.latest:
+            return {"step": 0, "total": 0, "start": 0, "elapsed_s": 0.0, "eta_s": None,
+                    "samples_per_s": 0.0}  # fmt: skip
+        messages = list(self.latest.values())
+        step = min(m["step"] for m in messages)
+        start = messages[0]["start_step"]
+        total = messages[0]["total_steps"]
+        elapsed = max(m["elapsed_s"] for m in messages)
+        done = step - start
+        rate = done / elapsed if elapsed > 0 and done else 0.0
+        eta = (total - step) / rate if rate else None
+        throughput = self._recent_throughput()
+        return {"step": step, "total": total, "start": start, "elapsed_s": elapsed,
+                "eta_s": eta if step < total else 0.0, "samples_per_s": throughput}  # fmt: skip
+
+    def memory(self) -> list[dict[str, Any]]:
+        """Per rank: ``held`` (model-state bytes or CUDA allocated), ``peak``, and the parts."""
+        rows = []
+        for rank in range(self.world_size):
+            memory = (self.latest.get(rank) or {}).get("memory") or {}
+            rows.append({"rank": rank, "held": _held(memory), "peak": self.peaks.get(rank, 0),
+                         **memory})  # fmt: skip
+        return rows
+
+    def comm(self) -> list[dict[str, Any]]:
+        """Per rank: per-kind bytes and seconds per step, and the share of step time spent."""
+        rows = []
+        for rank in range(self.world_size):
+            totals = (self.latest.get(rank) or {}).get("comm_totals") or {}
+            message = self.latest.get(rank) or {}
+            steps = max(1, message.get("step", 0) - message.get("start_step", 0))
+            elapsed = message.get("elapsed_s") or 0.0
+            per_kind = {
+                kind: {"bytes": c["bytes"] / steps, "time_s": c["time_s"] / steps}
+                for kind, c in totals.items()
+            }
+            seconds = sum(c["time_s"] for c in totals.values())
+            share = min(1.0, seconds / elapsed) if elapsed else 0.0
+            rows.append({"rank": rank, "per_step": per_kind, "share": share})
+        return rows
+
+    def snapshot(self, now: float | None = None) -> dict[str, Any]:
+        """Everything the widget shows, as plain JSON-able data."""
+        return {
+            "progress": self.progress(),
+            "ranks": [
+                {"rank": r, "status": self.status(r, now), "error": self.errors.get(r)}
+                for r in range(self.world_size)
+            ],
+            "loss": {
+                "steps": list(self.steps),
+                "global": list(self.loss),
+                "per_rank": [
+                    [self.rank_loss.get(r, {}).get(s) for s in self.steps]
+                    for r in range(self.world_size)
+                ],
+            },
+            "memory": self.memory(),
+            "comm": self.comm(),
+            "frozen": self.frozen,
+        }
+
+    def take_new_points(self) -> list[tuple[int, float]]:
+        """Global-loss points added since the last call (for incremental chart updates)."""
+        taken, self._pending = self._pending, []
+        return taken
+
+    def _recent_throughput(self) -> float:
+        """Global samples/s of the latest step, as the slowest rank saw it."""
+        return float(min(self.rates.values())) if self.rates else 0.0
+
+
+def _held(memory: dict[str, Any]) -> int:
+    if "cuda_allocated" in memory:
+        return int(memory["cuda_allocated"])
+    keys = ("param_bytes", "grad_bytes", "optimizer_bytes")
+    return int(sum(memory.get(k, 0) for k in keys))

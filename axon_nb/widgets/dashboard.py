@@ -1,0 +1,108 @@
+"""``Dashboard``: one live widget per training run (progress, loss, memory, communication, status).
+
+Built on anywidget: a handful of synced traits plus a small bundled chart script
+(``_dashboard.js``, plain SVG, no third-party chart library). Updates are throttled to
+``UPDATE_S`` and incremental: new loss points travel as an ``append`` message; the whole loss
+series (thinned to at most ``2 x MAX_POINTS`` points) is re-synced only every ``FULL_SYNC_S`` and
+when the run ends, so a re-displayed or exported widget still has it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anywidget
+import traitlets
+
+from axon_nb.widgets._state import DashboardState
+
+UPDATE_S = 0.5
+"""At most one widget update per this many seconds, whatever the step rate."""
+FULL_SYNC_S = 5.0
+"""How often the whole loss series is re-synced (between, only new points are sent)."""
+
+
+class Dashboard(anywidget.AnyWidget):
+    """The live view of one run; ``cluster.train`` shows it, ``save`` exports it.
+
+    Example::
+
+        handle = cluster.train(..., block=False)
+        handle.dashboard                 # displays the widget in the notebook
+        handle.wait().dashboard.save("run.html")
+    """
+
+    _esm = Path(__file__).with_name("_dashboard.js")
+    _css = Path(__file__).with_name("_dashboard.css")
+
+    title = traitlets.Unicode("").tag(sync=True)
+    progress = traitlets.Dict().tag(sync=True)
+    ranks = traitlets.List().tag(sync=True)
+    memory = traitlets.List().tag(sync=True)
+    communication = traitlets.List().tag(sync=True)
+    loss = traitlets.Dict().tag(sync=True)
+    frozen = traitlets.Bool(False).tag(sync=True)
+
+    def __init__(self, world_size: int, *, title: str = "", **kwargs: Any) -> None:
+        super().__init__(title=title, **kwargs)
+        self.state = DashboardState(world_size)
+        self.updates = 0
+        """Widget updates sent so far (throttling keeps this small)."""
+        self._lock = threading.Lock()
+        self._last_update = float("-inf")
+        self._last_full = float("-inf")
+        self._refresh(full=True)
+
+    # -- MetricsListener -------------------------------------------------------------------
+
+    def message(self, rank: int, message: dict[str, Any]) -> None:
+        """Take one publication; the widget updates at most every ``UPDATE_S``."""
+        with self._lock:
+            self.state.update(rank, message)
+            if time.monotonic() - self._last_update >= UPDATE_S:
+                self._refresh(full=time.monotonic() - self._last_full >= FULL_SYNC_S)
+
+    def done(self, failures: dict[int, str]) -> None:
+        """The run ended: mark failed ranks, freeze, and sync the final state."""
+        with self._lock:
+            for rank, error in failures.items():
+                if self.state.status(rank) != "failed":
+                    self.state.fail(rank, error)
+            self.state.freeze()
+            self._refresh(full=True)
+
+    # -- export ----------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write a standalone HTML page with the widget and its state embedded."""
+        from ipywidgets.embed import embed_minimal_html
+
+        with self._lock:
+            self._refresh(full=True)
+        path = Path(path)
+        embed_minimal_html(path, views=[self], title=self.title or "axon_nb run")
+        return path
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _refresh(self, *, full: bool) -> None:
+        snapshot = self.state.snapshot()
+        points = self.state.take_new_points()
+        with self.hold_sync():
+            self.progress = snapshot["progress"]
+            self.ranks = snapshot["ranks"]
+            self.memory = snapshot["memory"]
+            self.communication = snapshot["comm"]
+            self.frozen = snapshot["frozen"]
+            if full:
+                self.loss = snapshot["loss"]
+        if points and not full:
+            self.send({"type": "append", "points": points})
+        now = time.monotonic()
+        self._last_update = now
+        if full:
+            self._last_full = now
+        self.updates += 1

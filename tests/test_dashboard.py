@@ -1,0 +1,101 @@
+"""The dashboard fed with a recorded metrics stream (2 ranks): widget state, throttling, export.
+
+The stream in ``data/stream_2ranks.json`` was recorded from real runs (``TrainHandle``'s
+listener): one finished 120-step run, and one where rank 1 raised at its 60th loss call.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from axon_nb.train.result import build_result
+from axon_nb.widgets._state import DashboardState
+from axon_nb.widgets.dashboard import Dashboard
+
+STREAM = json.loads((Path(__file__).parent / "data" / "stream_2ranks.json").read_text())
+
+
+def _feed(dashboard: Dashboard, run: dict[str, Any]) -> None:
+    for rank, message in run["messages"]:
+        dashboard.message(rank, message)
+    dashboard.done({int(r): e for r, e in (run["failures"] or {}).items()})
+
+
+def test_a_finished_run_shows_progress_loss_memory_and_communication() -> None:
+    run = STREAM["finished"]
+    dashboard = Dashboard(2, title="model")
+    _feed(dashboard, run)
+    assert dashboard.progress["step"] == dashboard.progress["total"] == 120
+    assert dashboard.progress["eta_s"] == 0.0 and dashboard.progress["samples_per_s"] > 0
+    assert [r["status"] for r in dashboard.ranks] == ["finished", "finished"]
+    assert dashboard.loss["steps"] == list(range(1, 121))
+    assert dashboard.loss["global"] == pytest.approx(run["losses"])
+    assert len(dashboard.loss["per_rank"]) == 2 and None not in dashboard.loss["per_rank"][1]
+    for row in dashboard.memory:
+        assert row["held"] == row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"]
+        assert row["peak"] >= row["held"] > 0 and row["rss_bytes"] > 0
+    for row in dashboard.communication:
+        assert row["per_step"]["all_reduce"]["bytes"] > 0 and 0 < row["share"] < 1
+    assert dashboard.frozen
+
+
+def test_updates_are_throttled_however_fast_messages_arrive() -> None:
+    dashboard = Dashboard(2)
+    _feed(dashboard, STREAM["finished"])  # 18 publications delivered in a burst
+    assert dashboard.updates <= 3  # the first one, maybe one more, and the final sync
+
+
+def test_a_rank_failing_mid_run_shows_as_failed_with_its_error() -> None:
+    dashboard = Dashboard(2)
+    _feed(dashboard, STREAM["failed"])
+    by_rank = {r["rank"]: r for r in dashboard.ranks}
+    assert by_rank[1]["status"] == "failed"
+    assert "FloatingPointError: loss diverged on rank 1" in by_rank[1]["error"]
+    assert dashboard.progress["step"] < 120  # frozen where it stopped
+
+
+def test_a_silent_running_rank_is_shown_stalled() -> None:
+    state = DashboardState(2, stall_after_s=5)
+    first = STREAM["finished"]["messages"][0]
+    message = {**first[1], "status": "running", "heartbeat": 1000.0}
+    state.update(0, message)
+    assert state.status(0, now=1003.0) == "running"
+    assert state.status(0, now=1006.0) == "stalled"
+    assert state.status(1, now=1006.0) == "waiting"
+
+
+def test_long_runs_keep_a_bounded_series() -> None:
+    state = DashboardState(1, max_points=10)
+    for step in range(1, 101):
+        record = {"step": step, "loss": 1 / step, "rank_loss": 1 / step, "samples_per_s": 1}
+        state.update(0, {"status": "running", "heartbeat": 0, "records": [record]})
+    assert len(state.steps) <= 20 and state.steps[-1] in (99, 100)
+
+
+def test_static_exports_html_with_embedded_state_and_a_png(tmp_path: Path) -> None:
+    run = STREAM["finished"]
+    dashboard = Dashboard(2, title="exported run")
+    _feed(dashboard, run)
+    html = dashboard.save(tmp_path / "run.html").read_text()
+    assert "application/vnd.jupyter.widget-state+json" in html
+    assert "exported run" in html and f"{run['losses'][-1]}"[:8] in html
+
+    summaries = _summaries(run)
+    result = build_result(summaries, name="model", strategy="DDP()")
+    png = tmp_path / "run.png"
+    result.plot(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per-rank summaries as the ranks return them, rebuilt from the last publications."""
+    last: dict[int, dict[str, Any]] = {}
+    records: dict[int, dict[int, dict[str, Any]]] = {0: {}, 1: {}}
+    for rank, message in run["messages"]:
+        last[rank] = message
+        records[rank].update({r["step"]: r for r in message["records"]})
+    return [{**last[r], "device": "cpu", "records": list(records[r].values())} for r in (0, 1)]
