@@ -99,3 +99,14 @@ def _summaries(run: dict[str, Any]) -> list[dict[str, Any]]:
         last[rank] = message
         records[rank].update({r["step"]: r for r in message["records"]})
     return [{**last[r], "device": "cpu", "records": list(records[r].values())} for r in (0, 1)]
+
+
+def test_a_rank_that_goes_silent_turns_stalled_without_new_messages() -> None:
+    import time
+
+    board = Dashboard(1)
+    message = {**STREAM["finished"]["messages"][0][1], "status": "running"}
+    board.message(0, {**message, "heartbeat": time.time() - 60})  # last heard a minute ago
+    board._last_update = float("-inf")  # as if IDLE_REFRESH_S had passed
+    board.tick()
+    assert board.ranks[0]["status"] == "stalled"

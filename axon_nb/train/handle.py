@@ -28,6 +28,9 @@ class MetricsListener(Protocol):
     def message(self, rank: int, message: dict[str, Any]) -> None:
         """One publication of ``rank`` (schema ``axon_nb.metrics/1``)."""
 
+    def tick(self) -> None:
+        """Called on every monitor poll (about ``MONITOR_S``), messages or not."""
+
     def done(self, failures: dict[int, str]) -> None:
         """The run ended; ``failures`` maps failed ranks to their error."""
 
@@ -114,6 +117,9 @@ class TrainHandle:
     def _watch(self) -> None:
         while not self._ar.ready():
             self.poll()
+            with self._lock:
+                for listener in self._listeners:
+                    listener.tick()
             time.sleep(MONITOR_S)
         self.poll()
         failures = {

@@ -61,8 +61,8 @@ function drawLoss(box, series, perRank) {
     t.textContent = label.toPrecision(3);
     chart.append(t);
   }
-  for (const x of [x0, x1]) {
-    const t = svg("text", { x: sx(x), y: H - 6, "text-anchor": "middle", class: "axon-tick" });
+  for (const [x, anchor] of [[x0, "start"], [x1, "end"]]) {
+    const t = svg("text", { x: sx(x), y: H - 6, "text-anchor": anchor, class: "axon-tick" });
     t.textContent = `step ${x}`;
     chart.append(t);
   }
@@ -127,7 +127,9 @@ function render({ model, el: root }) {
         el("div", { class: "axon-bar-held", style: `width:${(100 * (r.held || 0)) / top}%` }),
       ]),
       el("span", { class: "axon-value" }, [
-        `${bytes(r.held)} (peak ${bytes(r.peak)})` + (r.rss_bytes ? ` · RSS ${bytes(r.rss_bytes)}` : ""),
+        `${bytes(r.held)} (peak ${bytes(r.peak)})` +
+          (r.cuda_reserved != null ? ` · reserved ${bytes(r.cuda_reserved)}` : "") +
+          (r.rss_bytes ? ` · RSS ${bytes(r.rss_bytes)}` : ""),
       ]),
     ])));
   }

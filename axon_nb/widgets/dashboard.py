@@ -21,6 +21,8 @@ from axon_nb.widgets._state import DashboardState
 
 UPDATE_S = 0.5
 """At most one widget update per this many seconds, whatever the step rate."""
+IDLE_REFRESH_S = 2.0
+"""Without publications, refresh this often anyway (statuses, the stalled check)."""
 FULL_SYNC_S = 5.0
 """How often the whole loss series is re-synced (between, only new points are sent)."""
 
@@ -64,6 +66,12 @@ class Dashboard(anywidget.AnyWidget):
             self.state.update(rank, message)
             if time.monotonic() - self._last_update >= UPDATE_S:
                 self._refresh(full=time.monotonic() - self._last_full >= FULL_SYNC_S)
+
+    def tick(self) -> None:
+        """Refresh now and then without news, so a silent rank turns "stalled"."""
+        with self._lock:
+            if time.monotonic() - self._last_update >= IDLE_REFRESH_S:
+                self._refresh(full=False)
 
     def done(self, failures: dict[int, str]) -> None:
         """The run ended: mark failed ranks, freeze, and sync the final state."""
