@@ -36,6 +36,7 @@ test: lint chromium
 bench: install
 	$(BIN)/python benchmarks/cluster_start.py
 	$(BIN)/python benchmarks/launch_overhead.py
+	$(BIN)/python benchmarks/dashboard_overhead.py
 
 clean:
 	rm -rf $(VENV) build

@@ -94,6 +94,28 @@ class AxonMagics(Magics):
         _show_results(parts)
 
     @line_magic
+    def axon_status(self, line: str) -> None:
+        """Show the ranks at a glance: host, device, backend, memory and training runs.
+
+        ::
+
+            In [2]: %axon_status
+        """
+        from axon_nb.cluster.cluster import _in_notebook
+        from axon_nb.engine.status import rank_status
+        from axon_nb.widgets.status import status_text, status_widget
+
+        if line.strip():
+            raise UsageError("%axon_status takes no arguments")
+        rows = self._require_cluster().run(rank_status, stream=False)
+        if _in_notebook():
+            from IPython.display import display
+
+            display(status_widget(rows))
+        else:
+            print(status_text(rows))
+
+    @line_magic
     def axon_dashboard(self, line: str) -> None:
         """Show the live dashboard of the latest ``cluster.train`` run (e.g. ``block=False``).
 

@@ -148,6 +148,30 @@ def test_axon_run_reports_a_failing_rank_and_a_missing_script(shell, tmp_path: P
         _cluster(shell).execute("del os.environ['FAIL_ON_RANK']", stream=False)
 
 
+def test_axon_status_and_axon_dashboard_show_the_ranks_and_the_latest_run(shell, capsys) -> None:
+    from models import make_data, make_mlp, mse
+
+    from axon_nb.widgets.status import status_widget
+
+    with pytest.raises(UsageError, match="no training run yet"):
+        shell.run_line_magic("axon_dashboard", "")
+    cluster = axon_nb.current_cluster()
+    assert cluster is _cluster(shell)
+    cluster.train(model=make_mlp, data=make_data, loss=mse, steps=3, batch_size=16, name="shown")
+    shell.run_line_magic("axon_dashboard", "")
+    assert cluster.last_run is not None and cluster.last_run.shown
+    capsys.readouterr()
+    shell.run_line_magic("axon_status", "")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["rank", "host", "device", "backend", "memory", "training", "runs"]
+    assert lines[1].startswith("0") and lines[2].startswith("1")
+    assert "MiB RSS" in lines[1] and "shown @ step 3" in lines[2]
+    from axon_nb.engine.status import rank_status
+
+    widget = status_widget(cluster.run(rank_status, stream=False))
+    assert widget.value.count("<tr>") == 3 and "shown @ step 3" in widget.value
+
+
 def test_status_restart_and_stop(shell, capsys) -> None:
     old = [r["pid"] for r in _cluster(shell).ranks]
     shell.run_line_magic("axon_cluster", "--status")

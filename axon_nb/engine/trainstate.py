@@ -54,6 +54,11 @@ def get(name: str = "model") -> TrainState:
     return _STATES[name]
 
 
+def runs() -> dict[str, TrainState]:
+    """Every training run on this rank, by name."""
+    return dict(_STATES)
+
+
 def put(state: TrainState) -> None:
     _STATES[state.name] = state
 
