@@ -50,3 +50,12 @@ def test_ddp_on_nccl_matches_one_process_on_the_gpu(cluster: axon_nb.Cluster, ho
     memory = result.ranks[0]["memory"]
     assert memory["cuda_peak"] >= memory["cuda_allocated"] > 0
     assert result.ranks[0]["comm_totals"]["all_reduce"]["count"] >= ARGS["steps"]
+
+
+def test_status_reports_gpu_memory(cluster: axon_nb.Cluster) -> None:
+    from axon_nb.engine.status import rank_status
+    from axon_nb.widgets.status import status_text
+
+    rows = cluster.run(rank_status, stream=False)
+    assert rows[0]["cuda_total"] > rows[0]["cuda_free"] > 0
+    assert "GPU" in status_text(rows)
