@@ -24,13 +24,14 @@ from axon_nb.errors import (
     RankDiedError,
     RankError,
 )
-from axon_nb.strategies import DDP, SingleDevice, Strategy
+from axon_nb.strategies import DDP, FSDP, SingleDevice, Strategy
 from axon_nb.train import TrainHandle, TrainResult, train_local
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
+    "FSDP",
     "AxonError",
     "Cluster",
     "ClusterBrokenError",

@@ -1,0 +1,1 @@
+"""One parallelism technique per module, each an ``apply_*`` function over a model and a mesh."""

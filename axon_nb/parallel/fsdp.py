@@ -1,0 +1,64 @@
+"""Fully sharded data parallelism with FSDP2 (``torch.distributed.fsdp.fully_shard``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def wrap_targets(
+    model: nn.Module, classes: Sequence[str] | None, min_params: int | None
+) -> list[nn.Module]:
+    """Submodules that become their own FSDP unit (sharded and gathered on their own).
+
+    By class name when ``classes`` is given, else by size when ``min_params`` is, else the
+    entries of every ``nn.ModuleList`` (a transformer's blocks).
+    """
+    if classes:
+        found = [m for m in model.modules() if type(m).__name__ in classes and m is not model]
+        present = {type(m).__name__ for m in found}
+        missing = [c for c in classes if c not in present]
+        if missing:
+            names = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(
+                f"auto_wrap class {', '.join(missing)} is not in the model; its module classes "
+                f"are: {', '.join(names)}"
+            )
+        return found
+    if min_params:
+        return [
+            m for m in model.modules()
+            if m is not model and not list(m.children())
+            and sum(p.numel() for p in m.parameters()) >= min_params
+        ]  # fmt: skip
+    return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    units: Sequence[nn.Module],
+    reshard_after_forward: bool,
+    param_dtype: str | None = None,
+    reduce_dtype: str | None = None,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Shard ``units`` (inner first) and then the root over ``mesh`` (1-D: FSDP, 2-D: HSDP)."""
+    policy = MixedPrecisionPolicy(
+        param_dtype=DTYPES[param_dtype] if param_dtype else None,
+        reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None,
+    )
+    options = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    for unit in units:
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    return model
