@@ -24,7 +24,7 @@ from axon_nb.errors import (
     RankDiedError,
     RankError,
 )
-from axon_nb.strategies import DDP, FSDP, SingleDevice, Strategy
+from axon_nb.strategies import DDP, FSDP, SingleDevice, Strategy, ZeRO
 from axon_nb.train import TrainHandle, TrainResult, train_local
 
 __version__ = "0.1.0"
@@ -44,6 +44,7 @@ __all__ = [
     "Strategy",
     "TrainHandle",
     "TrainResult",
+    "ZeRO",
     "current_cluster",
     "load_ipython_extension",
     "train_local",

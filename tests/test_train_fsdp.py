@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import axon_nb
-from axon_nb import DDP, FSDP
+from axon_nb import DDP, FSDP, ZeRO
+from axon_nb.memory import estimate
 from axon_nb.models import GPT, GPTConfig, token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -100,3 +101,35 @@ def test_bad_fsdp_options_are_refused(cluster: axon_nb.Cluster) -> None:
         cluster.train(**ARGS, strategy=FSDP(sharding="hybrid_shard", shard_size=3))
     with pytest.raises(axon_nb.RankError, match="auto_wrap class Blok is not in the model"):
         cluster.train(**ARGS, strategy=FSDP(auto_wrap=("Blok",)))
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [DDP(), ZeRO(stage=1), ZeRO(stage=3), FSDP(), FSDP(sharding="shard_grad_op"),
+     FSDP(sharding="no_shard")],
+    ids=["ddp", "zero1", "zero3", "full_shard", "shard_grad_op", "no_shard"],
+)  # fmt: skip
+def test_measured_model_state_matches_the_zero_formulas(
+    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
+) -> None:
+    result = _check(cluster, reference, strategy=strategy)
+    expected = estimate(reference.model, strategy, world_size=2)
+    for rank in result.ranks:
+        memory = rank["memory"]
+        measured = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
+        assert measured == pytest.approx(expected["total"], rel=0.05)
+        assert memory["param_bytes"] == pytest.approx(expected["params"], rel=0.05)
+        assert memory["grad_bytes"] == pytest.approx(expected["grads"], rel=0.05)
+
+
+def test_zero1_shards_only_the_optimizer_state(
+    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+) -> None:
+    result = _check(cluster, reference, strategy=ZeRO(stage=1))
+    psi = sum(p.numel() for p in reference.model.parameters())
+    for rank in result.ranks:  # whole parameters and gradients, half the Adam moments
+        assert rank["memory"]["param_bytes"] == rank["memory"]["grad_bytes"] == 4 * psi
+        assert rank["memory"]["optimizer_bytes"] == pytest.approx(4 * psi, rel=0.05)
+    assert "broadcast" in result.ranks[0]["comm_totals"]  # updated shards go to the others
+    with pytest.raises(ValueError, match="ZeRO stage must be 1 or 3"):
+        ZeRO(stage=4)

@@ -197,12 +197,27 @@ def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> StepBat
     )
 
 
-def _optimizer_factory(spec: TrainSpec) -> Any:
-    if callable(spec.optimizer):
-        return spec.optimizer
-    name, kwargs = spec.optimizer
-    cls = getattr(torch.optim, OPTIMIZERS[name])
-    return lambda params: cls(params, **kwargs)
+class OptimizerFactory:
+    """Builds the run's optimizer; ``cls`` and ``kwargs`` are known for named optimizers
+    (sharding optimizers such as ZeRO need them), None and empty for a user callable."""
+
+    def __init__(self, spec: TrainSpec) -> None:
+        self._callable = spec.optimizer if callable(spec.optimizer) else None
+        self.cls: type[torch.optim.Optimizer] | None = None
+        self.kwargs: dict[str, Any] = {}
+        if self._callable is None:
+            name, kwargs = spec.optimizer  # type: ignore[misc]
+            self.cls, self.kwargs = getattr(torch.optim, OPTIMIZERS[name]), dict(kwargs)
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        if self._callable is not None:
+            return self._callable(params)
+        assert self.cls is not None
+        return self.cls(params, **self.kwargs)
+
+
+def _optimizer_factory(spec: TrainSpec) -> OptimizerFactory:
+    return OptimizerFactory(spec)
 
 
 def _agreed(ctx: runtime.RankContext, fn: Any) -> Any:

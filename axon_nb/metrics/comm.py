@@ -26,6 +26,8 @@ KINDS: dict[str, str] = {
     "all_reduce": "all_reduce",
     "all_gather": "all_gather",
     "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
     "reduce_scatter": "reduce_scatter",
     "reduce_scatter_tensor": "reduce_scatter",
     "broadcast": "broadcast",

@@ -32,7 +32,9 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
     """Every tensor in the optimizer's per-parameter state (moments, step counters, ...)."""
     import torch
 
-    for state in optimizer.state.values():
+    # ZeroRedundancyOptimizer keeps this rank's shard of the state in its local optimizer.
+    local = getattr(optimizer, "optim", optimizer)
+    for state in local.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):
                 yield value

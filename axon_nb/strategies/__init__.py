@@ -7,11 +7,26 @@ from typing import Any
 from axon_nb.strategies.base import MicroStep, SingleDevice, Strategy
 from axon_nb.strategies.ddp import DDP
 from axon_nb.strategies.fsdp import FSDP
+from axon_nb.strategies.zero import ZeRO
 
-STRATEGIES: dict[str, type[Strategy]] = {"ddp": DDP, "fsdp": FSDP, "single_device": SingleDevice}
+STRATEGIES: dict[str, type[Strategy]] = {
+    "ddp": DDP,
+    "fsdp": FSDP,
+    "zero": ZeRO,
+    "single_device": SingleDevice,
+}
 """Strategies by name, for ``strategy="ddp"``."""
 
-__all__ = ["DDP", "FSDP", "STRATEGIES", "MicroStep", "SingleDevice", "Strategy", "resolve_strategy"]
+__all__ = [
+    "DDP",
+    "FSDP",
+    "STRATEGIES",
+    "MicroStep",
+    "SingleDevice",
+    "Strategy",
+    "ZeRO",
+    "resolve_strategy",
+]
 
 
 def resolve_strategy(value: Any, default: type[Strategy] = DDP) -> Strategy:

@@ -1,0 +1,81 @@
+"""``ZeRO``: DeepSpeed's stages of sharding, on PyTorch's own machinery."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from axon_nb.strategies.ddp import DDP
+from axon_nb.strategies.fsdp import FSDP
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from axon_nb.engine.runtime import RankContext
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZeRO(DDP):
+    """ZeRO stage 1 or 3, with DeepSpeed's meaning.
+
+    - stage 1: parameters and gradients stay whole on every rank (DDP all-reduces the
+      gradients); only the optimizer state is sharded (``ZeroRedundancyOptimizer``: each rank
+      updates its share of the parameters, then broadcasts them).
+    - stage 3: parameters, gradients and optimizer state are all sharded (FSDP2 full_shard).
+
+    Stage 2 (gradients sharded too, parameters whole) is not available yet.
+
+    Example::
+
+        from axon_nb import ZeRO
+        cluster.train(model=make_gpt, data=ds, strategy=ZeRO(stage=1), steps=100,
+                      optimizer=("adamw", {"lr": 3e-4}))
+    """
+
+    name: ClassVar[str] = "zero"
+
+    stage: int = 1
+    """1: optimizer state sharded; 3: parameters, gradients and optimizer state sharded."""
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 3):
+            raise ValueError(
+                f"ZeRO stage must be 1 or 3 (stage 2 is not implemented yet), got {self.stage!r}"
+            )
+        DDP.__post_init__(self)
+
+    def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
+        if self.stage == 3:
+            return FSDP(sharding="full_shard").parallelize(model, ctx)
+        return DDP.parallelize(self, model, ctx)
+
+    def build_optimizer(self, model: nn.Module, make: Any) -> torch.optim.Optimizer:
+        if self.stage == 3:
+            return make(model.parameters())
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if make.cls is None:
+            raise ValueError(
+                "ZeRO stage 1 shards a named optimizer: pass optimizer=('adamw', {...}), "
+                "not a callable"
+            )
+        return ZeroRedundancyOptimizer(model.parameters(), make.cls, **make.kwargs)
+
+    def no_sync(self, model: nn.Module) -> Any:
+        if self.stage == 3:
+            return FSDP().no_sync(model)
+        return DDP.no_sync(self, model)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        if self.stage == 3:
+            return FSDP().clip_grad_norm(model, max_norm)
+        return DDP.clip_grad_norm(self, model, max_norm)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model if self.stage == 3 else DDP.unwrap(self, model)
+
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+        if self.stage == 3:
+            return FSDP().state_dict(model)
+        return DDP.state_dict(self, model)
