@@ -59,3 +59,14 @@ def test_status_reports_gpu_memory(cluster: axon_nb.Cluster) -> None:
     rows = cluster.run(rank_status, stream=False)
     assert rows[0]["cuda_total"] > rows[0]["cuda_free"] > 0
     assert "GPU" in status_text(rows)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero"])
+def test_sharded_strategies_run_on_nccl(cluster: axon_nb.Cluster, strategy: str) -> None:
+    from axon_nb.models import GPT, GPTConfig, token_dataset
+
+    args = dict(model=lambda: GPT(GPTConfig()), data=token_dataset, batch_size=32, steps=10)
+    result = cluster.train(**args, strategy=strategy)
+    ref = axon_nb.train_local(**args, device="cuda")
+    assert result.losses == pytest.approx(ref.losses, abs=1e-4)
+    assert result.ranks[0]["memory"]["cuda_peak"] > 0
