@@ -69,9 +69,19 @@ def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -
         FSDP(sharding="hybrid_shard", shard_size=1),
         FSDP(auto_wrap=("Block",)),
         FSDP(min_params=1000),
+        FSDP(activation_checkpointing=True, interval=1),
         DDP(),
     ],
-    ids=["full_shard", "shard_grad_op", "no_shard", "hybrid1", "wrap-Block", "wrap-size", "ddp"],
+    ids=[
+        "full_shard",
+        "shard_grad_op",
+        "no_shard",
+        "hybrid1",
+        "wrap-Block",
+        "wrap-size",
+        "activation-checkpointing",
+        "ddp",
+    ],
 )
 def test_every_sharding_mode_matches_one_process(
     cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
@@ -95,6 +105,8 @@ def test_accumulation_and_clipping_under_fsdp(cluster: axon_nb.Cluster) -> None:
 def test_bad_fsdp_options_are_refused(cluster: axon_nb.Cluster) -> None:
     with pytest.raises(ValueError, match="sharding must be one of"):
         FSDP(sharding="zero4")
+    with pytest.raises(ValueError, match="activation checkpoint interval must be an integer >= 1"):
+        FSDP(activation_checkpointing=True, interval=0)
     with pytest.raises(
         ValueError, match=r"shard_size to divide the world size.*Use one of \[1, 2\]"
     ):

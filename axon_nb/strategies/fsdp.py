@@ -53,6 +53,10 @@ class FSDP(Strategy):
     """Keep sharded parameters, gradients and optimizer state on the CPU between uses."""
     reshard_after_forward: bool | None = None
     """Override the sharding mode's choice of resharding parameters after forward."""
+    activation_checkpointing: bool = False
+    """Recompute the activations of every ``interval``-th block in backward (less memory)."""
+    interval: int = 1
+    """With ``activation_checkpointing``: checkpoint blocks 0, interval, 2 x interval, ..."""
 
     def __post_init__(self) -> None:
         errors = []
@@ -66,6 +70,10 @@ class FSDP(Strategy):
             value = getattr(self, field_name)
             if value not in (None, "bf16", "fp16", "fp32"):
                 errors.append(f"{field_name} must be 'bf16', 'fp16', 'fp32' or None, got {value!r}")
+        if not isinstance(self.interval, int) or self.interval < 1:
+            errors.append(
+                f"activation checkpoint interval must be an integer >= 1, got {self.interval!r}"
+            )
         if errors:
             raise ValueError("invalid FSDP options:\n  - " + "\n  - ".join(errors))
 
@@ -81,8 +89,12 @@ class FSDP(Strategy):
     def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
+        from axon_nb.parallel.checkpointing import apply_activation_checkpointing
         from axon_nb.parallel.fsdp import apply_fsdp, wrap_targets
 
+        # Order matters: checkpoint the blocks first, then shard what was wrapped.
+        if self.activation_checkpointing:
+            apply_activation_checkpointing(model, self.interval)
         units = wrap_targets(model, self.auto_wrap, self.min_params)
         shard = {
             "full_shard": ctx.world_size,
