@@ -37,6 +37,7 @@ bench: install
 	$(BIN)/python benchmarks/cluster_start.py
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/dashboard_overhead.py
+	$(BIN)/python benchmarks/memory.py
 
 clean:
 	rm -rf $(VENV) build
