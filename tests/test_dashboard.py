@@ -74,6 +74,7 @@ def test_long_runs_keep_a_bounded_series() -> None:
         record = {"step": step, "loss": 1 / step, "rank_loss": 1 / step, "samples_per_s": 1}
         state.update(0, {"status": "running", "heartbeat": 0, "records": [record]})
     assert len(state.steps) <= 20 and state.steps[-1] in (99, 100)
+    assert set(state.rank_loss[0]) <= set(state.steps)  # per-rank losses are thinned too
 
 
 def test_static_exports_html_with_embedded_state_and_a_png(tmp_path: Path) -> None:

@@ -234,7 +234,7 @@ def _raise_failures(parts: dict[int, ipp.AsyncResult], order: list[int]) -> None
     exc = parts[rank].exception()
     if _is_engine_death(exc):
         raise RankDiedError(rank, "EngineError", "its process exited", "", failed) from None
-    ename, evalue, tb = _describe(exc)
+    ename, evalue, tb = describe_error(exc)
     raise RankError(rank, ename, evalue, tb, failed) from None
 
 
@@ -244,7 +244,8 @@ def _is_engine_death(exc: BaseException | None) -> bool:
     return isinstance(exc, ipp_error.RemoteError) and exc.ename == "EngineError"
 
 
-def _describe(exc: BaseException | None) -> tuple[str, str, str]:
+def describe_error(exc: BaseException | None) -> tuple[str, str, str]:
+    """``(ename, evalue, traceback)`` of an error a rank raised (remote or local)."""
     if isinstance(exc, ipp_error.RemoteError):
         tb = exc.traceback if isinstance(exc.traceback, str) else "\n".join(exc.traceback or [])
         return str(exc.ename), str(exc.evalue), tb

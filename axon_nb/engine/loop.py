@@ -135,7 +135,7 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Ste
 
     model, dataset, batches = _agreed(ctx, build)
     model = spec.strategy.parallelize(model.to(ctx.device), ctx)
-    optimizer = spec.strategy.build_optimizer(model, _optimizer_factory(spec))
+    optimizer = spec.strategy.build_optimizer(model, OptimizerFactory(spec))
     lr_shape = LRShape(warmup_steps=spec.warmup_steps, horizon=spec.steps, shape=spec.schedule)
     state = TrainState(
         name=spec.name,
@@ -214,10 +214,6 @@ class OptimizerFactory:
             return self._callable(params)
         assert self.cls is not None
         return self.cls(params, **self.kwargs)
-
-
-def _optimizer_factory(spec: TrainSpec) -> OptimizerFactory:
-    return OptimizerFactory(spec)
 
 
 def _agreed(ctx: runtime.RankContext, fn: Any) -> Any:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ipyparallel as ipp
 
-from axon_nb.cluster.waiting import results
+from axon_nb.cluster.waiting import describe_error, results
 from axon_nb.train.result import TrainResult, build_result, merge_records
 from axon_nb.train.spec import TrainSpec
 from axon_nb.widgets.dashboard import Dashboard
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 MONITOR_S = 0.1
 """How often the kernel-side monitor thread reads the ranks' metrics stream."""
 SOFT_STOP_S = 120.0
+"""After Ctrl-C or ``stop()``, how long ranks get to reach the next step boundary."""
 
 
 class MetricsListener(Protocol):
@@ -33,9 +34,6 @@ class MetricsListener(Protocol):
 
     def done(self, failures: dict[int, str]) -> None:
         """The run ended; ``failures`` maps failed ranks to their error."""
-
-
-"""After Ctrl-C or ``stop()``, how long ranks get to reach the next step boundary."""
 
 
 class TrainHandle:
@@ -123,7 +121,7 @@ class TrainHandle:
             time.sleep(MONITOR_S)
         self.poll()
         failures = {
-            rank: _error_text(part)
+            rank: "{}: {}".format(*describe_error(part.exception()))
             for rank, part in self._parts.items()
             if part.ready() and not part.successful()
         }
@@ -196,7 +194,6 @@ class TrainHandle:
         if self.shown:
             return
         with self._lock:
-            self._read()
             line = self._progress_line()
         if line:
             print(line)
@@ -222,9 +219,3 @@ class TrainHandle:
         history = self.history
         at = history[-1]["step"] if history else 0
         return f"<TrainHandle {self.name!r} {state}, step {at}>"
-
-
-def _error_text(part: ipp.AsyncResult) -> str:
-    error = part.exception()
-    ename = getattr(error, "ename", type(error).__name__)
-    return f"{ename}: {getattr(error, 'evalue', error)}"

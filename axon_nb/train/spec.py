@@ -5,8 +5,8 @@ Pure Python (no torch import), so the kernel can build and validate it without t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from axon_nb.strategies import Strategy, resolve_strategy
@@ -65,8 +65,6 @@ class TrainSpec:
     """Variable name of the trained model in the ranks' namespace (``%%axon`` cells)."""
     metrics_interval_s: float = 0.5
     """Seconds between metrics publications from each rank (0 disables streaming)."""
-    extra: Mapping[str, Any] = field(default_factory=dict)
-    """Reserved for strategies that need more inputs."""
 
     @property
     def optimizer_kwargs(self) -> dict[str, Any]:

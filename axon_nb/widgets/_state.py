@@ -65,7 +65,15 @@ class DashboardState:
                 self._pending.append((step, record["loss"]))
                 last = step
         if len(self.steps) > 2 * self.max_points:
-            self.steps, self.loss = self.steps[::2], self.loss[::2]
+            self._thin()
+
+    def _thin(self) -> None:
+        """Drop every other point, per-rank losses of the dropped steps too (bounded memory)."""
+        self.steps, self.loss = self.steps[::2], self.loss[::2]
+        kept, newest = set(self.steps), self.steps[-1]
+        for losses in self.rank_loss.values():
+            for step in [s for s in losses if s <= newest and s not in kept]:
+                del losses[step]
 
     def fail(self, rank: int, error: str) -> None:
         """Mark ``rank`` failed (an error seen by the kernel, e.g. before it ever published)."""
