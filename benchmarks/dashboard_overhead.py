@@ -28,18 +28,10 @@ import axon_nb  # noqa: E402
 
 def run(cluster: axon_nb.Cluster, steps: int, warmup: int, interval: float) -> tuple[float, int]:
     """Samples/s after warm-up, and the dashboard's widget updates."""
-    result = cluster.train(
-        model=ddp_workload.make_model,
-        data=ddp_workload.make_data,
-        loss=ddp_workload.loss_fn,
-        optimizer=("adamw", {"lr": ddp_workload.LR}),
-        steps=steps,
-        batch_size=ddp_workload.BATCH_SIZE,
-        metrics_interval_s=interval,
+    rate, result = ddp_workload.train_on_cluster(
+        cluster, steps, warmup, metrics_interval_s=interval
     )
-    measured = result.history[warmup:]
-    seconds = sum(h["per_rank"]["step_time_s"][0] for h in measured)
-    return sum(h["samples"] for h in measured) / seconds, result.dashboard.updates
+    return rate, result.dashboard.updates
 
 
 def main() -> None:

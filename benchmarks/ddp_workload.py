@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +35,28 @@ def make_data() -> TensorDataset:
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(output, target)
+
+
+def train_on_cluster(cluster: Any, steps: int, warmup: int, **options: Any) -> tuple[float, Any]:
+    """Train the workload with ``cluster.train`` (DDP); samples/s after ``warmup`` steps.
+
+    Steps of all ranks end together (they agree on the loss each step), so rank 0's step
+    clock is the run's. Returns the figure and the ``TrainResult``.
+    """
+    result = cluster.train(
+        model=make_model,
+        data=make_data,
+        loss=loss_fn,
+        strategy="ddp",
+        optimizer=("adamw", {"lr": LR}),
+        steps=steps,
+        batch_size=BATCH_SIZE,
+        seed=0,
+        **options,
+    )
+    measured = result.history[warmup:]
+    seconds = sum(h["per_rank"]["step_time_s"][0] for h in measured)
+    return sum(h["samples"] for h in measured) / seconds, result
 
 
 def torchrun_main(steps: int, warmup: int, device_type: str) -> None:

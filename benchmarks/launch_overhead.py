@@ -25,23 +25,6 @@ import ddp_workload  # noqa: E402
 import axon_nb  # noqa: E402
 
 
-def axon_run(cluster: axon_nb.Cluster, steps: int, warmup: int) -> float:
-    result = cluster.train(
-        model=ddp_workload.make_model,
-        data=ddp_workload.make_data,
-        loss=ddp_workload.loss_fn,
-        strategy=axon_nb.DDP(),
-        optimizer=("adamw", {"lr": ddp_workload.LR}),
-        steps=steps,
-        batch_size=ddp_workload.BATCH_SIZE,
-        seed=0,
-    )
-    measured = result.history[warmup:]
-    # Steps of all ranks end together (they agree on the loss), so rank 0's clock is the run's.
-    seconds = sum(h["per_rank"]["step_time_s"][0] for h in measured)
-    return sum(h["samples"] for h in measured) / seconds
-
-
 def torchrun_run(ranks: int, steps: int, warmup: int, device: str) -> float:
     script = [str(HERE / "ddp_workload.py"), str(steps), str(warmup), device]
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
@@ -63,7 +46,7 @@ def main() -> None:
     axon, plain = [], []
     with axon_nb.Cluster(n=args.ranks) as cluster:
         for i in range(args.repeats):
-            axon.append(axon_run(cluster, args.steps, args.warmup))
+            axon.append(ddp_workload.train_on_cluster(cluster, args.steps, args.warmup)[0])
             plain.append(torchrun_run(args.ranks, args.steps, args.warmup, args.device))
             print(f"run {i + 1}: axon_nb {axon[-1]:.1f} samples/s, torchrun {plain[-1]:.1f}")
     a, t = statistics.median(axon), statistics.median(plain)
