@@ -1,6 +1,6 @@
 """Measured per-rank model-state bytes next to the ZeRO paper's formulas, on 4 ranks.
 
-Trains a GPT of a few million parameters for a few steps with DDP, ZeRO-1, ZeRO-3 and each FSDP
+Trains a GPT of a few million parameters for a few steps with DDP, ZeRO-1/2/3 and each FSDP
 mode (fp32 AdamW), reads each rank's parameter, gradient and optimizer-state bytes from the
 run's result, and prints them beside ``axon_nb.memory.estimate``. The last line is the worst
 measured/expected ratio over ranks and strategies (target: within 0.95-1.05).
@@ -23,6 +23,7 @@ from axon_nb.models import GPT, GPTConfig, token_dataset
 STRATEGIES = [
     DDP(),
     ZeRO(stage=1),
+    ZeRO(stage=2),
     ZeRO(stage=3),
     FSDP(sharding="full_shard"),
     FSDP(sharding="shard_grad_op"),

@@ -71,6 +71,7 @@ def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -
         FSDP(min_params=1000),
         FSDP(activation_checkpointing=True, interval=1),
         DDP(),
+        ZeRO(stage=2),
     ],
     ids=[
         "full_shard",
@@ -81,6 +82,7 @@ def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -
         "wrap-size",
         "activation-checkpointing",
         "ddp",
+        "zero2",
     ],
 )
 def test_every_sharding_mode_matches_one_process(
@@ -90,12 +92,39 @@ def test_every_sharding_mode_matches_one_process(
     total = sum(p.numel() * 4 for p in reference.model.parameters())
     held = result.ranks[0]["memory"]["param_bytes"]
     sharded = isinstance(strategy, FSDP) and strategy.sharding in ("full_shard", "shard_grad_op")
+    # (ZeRO-2 keeps whole parameters.)
     # Sharded modes hold about half the parameters on each of 2 ranks (shards are padded).
     assert held < 0.6 * total if sharded else held == total
 
 
 def test_accumulation_and_clipping_under_fsdp(cluster: axon_nb.Cluster) -> None:
     changes = dict(strategy=FSDP(), grad_accum=2, clip_grad_norm=0.5)
+    ref = axon_nb.train_local(**{**ARGS, **changes, "strategy": None})
+    result = _check(cluster, ref, **changes)
+    norms = [h["grad_norm"] for h in result.history]
+    assert norms == pytest.approx([h["grad_norm"] for h in ref.history], rel=1e-4)
+
+
+def test_zero2_shards_gradients_and_optimizer_state_but_not_parameters(
+    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+) -> None:
+    result = _check(cluster, reference, strategy=ZeRO(stage=2, bucket_cap_mb=0.05))
+    psi = sum(p.numel() for p in reference.model.parameters())
+    for rank in result.ranks:
+        memory = rank["memory"]
+        assert memory["param_bytes"] == 4 * psi
+        assert memory["grad_bytes"] == pytest.approx(2 * psi, rel=0.01)  # half of fp32 grads
+        assert memory["optimizer_bytes"] == pytest.approx(4 * psi, rel=0.01)
+    comm = result.ranks[0]["comm_totals"]
+    # Small buckets: several reduce-scatters per step, each overlapping backward; no all-reduce
+    # of gradients (only the loss agreement's one per step).
+    assert comm["reduce_scatter"]["count"] >= 3 * result.steps
+    assert comm["all_gather"]["count"] == comm["reduce_scatter"]["count"]
+    assert comm["all_reduce"]["count"] == result.steps
+
+
+def test_zero2_accumulation_and_clipping(cluster: axon_nb.Cluster) -> None:
+    changes = dict(strategy=ZeRO(stage=2), grad_accum=2, clip_grad_norm=0.5)
     ref = axon_nb.train_local(**{**ARGS, **changes, "strategy": None})
     result = _check(cluster, ref, **changes)
     norms = [h["grad_norm"] for h in result.history]
@@ -117,9 +146,9 @@ def test_bad_fsdp_options_are_refused(cluster: axon_nb.Cluster) -> None:
 
 @pytest.mark.parametrize(
     "strategy",
-    [DDP(), ZeRO(stage=1), ZeRO(stage=3), FSDP(), FSDP(sharding="shard_grad_op"),
-     FSDP(sharding="no_shard")],
-    ids=["ddp", "zero1", "zero3", "full_shard", "shard_grad_op", "no_shard"],
+    [DDP(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3), FSDP(),
+     FSDP(sharding="shard_grad_op"), FSDP(sharding="no_shard")],
+    ids=["ddp", "zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "no_shard"],
 )  # fmt: skip
 def test_measured_model_state_matches_the_zero_formulas(
     cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
@@ -143,5 +172,5 @@ def test_zero1_shards_only_the_optimizer_state(
         assert rank["memory"]["param_bytes"] == rank["memory"]["grad_bytes"] == 4 * psi
         assert rank["memory"]["optimizer_bytes"] == pytest.approx(4 * psi, rel=0.05)
     assert "broadcast" in result.ranks[0]["comm_totals"]  # updated shards go to the others
-    with pytest.raises(ValueError, match="ZeRO stage must be 1 or 3"):
+    with pytest.raises(ValueError, match="ZeRO stage must be 1, 2 or 3"):
         ZeRO(stage=4)

@@ -97,11 +97,31 @@ class CommMeter:
             if work is None or not hasattr(work, "get_future"):
                 self.add(kind, nbytes, time.perf_counter() - start)
                 return work
-            done = lambda _: self.add(kind, nbytes, time.perf_counter() - start)  # noqa: E731
-            work.get_future().add_done_callback(done)
+            done = lambda *_: self.add(kind, nbytes, time.perf_counter() - start)  # noqa: E731
+            try:
+                work.get_future().add_done_callback(done)
+            except RuntimeError:  # gloo's reduce-scatter work has no future: time its wait()
+                return _TimedWork(work, done)
             return work
 
         return measured
+
+
+class _TimedWork:
+    """A ``Work`` whose ``wait()`` also records the collective as done."""
+
+    def __init__(self, work: Any, done: Callable[[], None]) -> None:
+        self._work, self._done = work, done
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        if self._done is not None:
+            self._done()
+            self._done = None
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _payload_bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -48,9 +48,12 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, device: Any) ->
     ``cuda_reserved`` and ``cuda_peak`` (max allocated since the run started).
     """
     params = list(model.parameters())
+    # A sharding optimizer may step its own views of the parameters (ZeRO-2's bucket
+    # slices), whose gradients are the only ones left between backward and step.
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
     figures = {
         "param_bytes": tensor_bytes(params),
-        "grad_bytes": tensor_bytes(p.grad for p in params),
+        "grad_bytes": tensor_bytes(p.grad for p in [*params, *stepped]),
         "optimizer_bytes": tensor_bytes(optimizer_tensors(optimizer)),
         "rss_bytes": psutil.Process().memory_info().rss,
     }

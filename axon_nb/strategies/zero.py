@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from axon_nb.strategies.base import Strategy
 from axon_nb.strategies.ddp import DDP
 from axon_nb.strategies.fsdp import FSDP
 
@@ -17,14 +18,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZeRO(DDP):
-    """ZeRO stage 1 or 3, with DeepSpeed's meaning.
+    """ZeRO stage 1, 2 or 3, with DeepSpeed's meaning.
 
     - stage 1: parameters and gradients stay whole on every rank (DDP all-reduces the
       gradients); only the optimizer state is sharded (``ZeroRedundancyOptimizer``: each rank
       updates its share of the parameters, then broadcasts them).
+    - stage 2: parameters stay whole; gradients are reduce-scattered in buckets during
+      backward, so each rank keeps only its shard of them and of the optimizer state
+      (``axon_nb.parallel.zero2``; PyTorch has no stage 2).
     - stage 3: parameters, gradients and optimizer state are all sharded (FSDP2 full_shard).
 
-    Stage 2 (gradients sharded too, parameters whole) is not available yet.
+    Stages 1 and 2 need a named optimizer (``optimizer=("adamw", {...})``) that acts
+    elementwise; ``bucket_cap_mb`` sets the gradient bucket size of stages 1 and 2.
 
     Example::
 
@@ -36,40 +41,57 @@ class ZeRO(DDP):
     name: ClassVar[str] = "zero"
 
     stage: int = 1
-    """1: optimizer state sharded; 3: parameters, gradients and optimizer state sharded."""
+    """1: optimizer state sharded; 2: gradients too; 3: parameters too."""
 
     def __post_init__(self) -> None:
-        if self.stage not in (1, 3):
+        if self.stage not in (1, 2, 3):
             raise ValueError(
-                f"ZeRO stage must be 1 or 3 (stage 2 is not implemented yet), got {self.stage!r}"
+                f"ZeRO stage must be 1, 2 or 3 (1: optimizer state sharded, 2: also "
+                f"gradients, 3: also parameters), got {self.stage!r}"
             )
         DDP.__post_init__(self)
 
     def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
         if self.stage == 3:
             return FSDP(sharding="full_shard").parallelize(model, ctx)
+        if self.stage == 2:
+            from axon_nb.parallel.zero2 import GradShardedModel
+
+            return GradShardedModel(
+                model, ctx.rank, ctx.world_size, bucket_cap_mb=self.bucket_cap_mb
+            )
         return DDP.parallelize(self, model, ctx)
 
     def build_optimizer(self, model: nn.Module, make: Any) -> torch.optim.Optimizer:
         if self.stage == 3:
             return make(model.parameters())
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         if make.cls is None:
             raise ValueError(
-                "ZeRO stage 1 shards a named optimizer: pass optimizer=('adamw', {...}), "
-                "not a callable"
+                f"ZeRO stage {self.stage} shards a named optimizer: pass "
+                "optimizer=('adamw', {...}), not a callable"
             )
+        if self.stage == 2:
+            return model.build_optimizer(make.cls, **make.kwargs)  # type: ignore[operator]
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(model.parameters(), make.cls, **make.kwargs)
 
     def no_sync(self, model: nn.Module) -> Any:
         if self.stage == 3:
             return FSDP().no_sync(model)
-        return DDP.no_sync(self, model)
+        return DDP.no_sync(self, model)  # DDP and GradShardedModel both have no_sync()
+
+    def forward_backward(self, model: nn.Module, microbatches: Any, step: Any) -> torch.Tensor:
+        loss = Strategy.forward_backward(self, model, microbatches, step)
+        if self.stage == 2:
+            model.finish_backward()  # type: ignore[operator]
+        return loss
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         if self.stage == 3:
             return FSDP().clip_grad_norm(model, max_norm)
+        if self.stage == 2:
+            return model.clip_grad_norm(max_norm)  # type: ignore[operator]
         return DDP.clip_grad_norm(self, model, max_norm)
 
     def unwrap(self, model: nn.Module) -> nn.Module:

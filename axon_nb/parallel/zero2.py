@@ -1,0 +1,214 @@
+"""ZeRO stage 2: whole parameters on every rank; gradients and optimizer state sharded.
+
+PyTorch has no ZeRO-2 (FSDP's ``shard_grad_op`` also shards parameters between steps), so it
+is built here from ``torch.distributed`` collectives:
+
+- Parameters are packed into flat buckets of about ``bucket_cap_mb``, in reverse registration
+  order (roughly the order backward produces gradients), and each parameter becomes a view
+  into its bucket. A bucket is padded to a multiple of the world size; rank r owns the r-th
+  contiguous slice of every bucket.
+- In backward, as soon as every parameter of a bucket has its gradient, the bucket's gradients
+  are reduce-scattered (asynchronously): rank r receives the sum over ranks of its slice. The
+  full gradients are dropped right away, so between backward and the optimizer step a rank
+  holds only its 1/N of the gradients.
+- The optimizer sees one parameter per bucket: this rank's slice, a view into the bucket (so
+  updating it updates the model's parameters in place), with the averaged gradient shard as
+  its ``.grad``. After each optimizer step every bucket is all-gathered from the slices.
+
+Like DDP without ``find_unused_parameters``, every rank must use the same parameters in a step.
+Optimizers must act elementwise (SGD, Adam, AdamW, ...): a bucket slice mixes parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class _Bucket:
+    """Flat storage for some parameters, and this rank's slice of it."""
+
+    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int) -> None:
+        numel = sum(p.numel() for p in params)
+        self.size = -(-numel // world_size) * world_size
+        first = params[0]
+        self.flat = torch.zeros(self.size, dtype=first.dtype, device=first.device)
+        self.offsets: list[int] = []
+        offset = 0
+        for p in params:
+            self.flat[offset : offset + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = self.flat[offset : offset + p.numel()].view_as(p)
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.params = params
+        width = self.size // world_size
+        self.slice = slice(rank * width, (rank + 1) * width)
+        self.shard = nn.Parameter(self.flat[self.slice])  # shares the bucket's storage
+        self.ready = 0
+
+
+class GradShardedModel(nn.Module):
+    """The user's module (``.module``) with ZeRO-2 gradient sharding attached.
+
+    Example (what ``ZeRO(stage=2)`` does on each rank)::
+
+        model = GradShardedModel(net, rank, world_size, bucket_cap_mb=25)
+        optimizer = model.build_optimizer(torch.optim.AdamW, lr=1e-3)
+    """
+
+    def __init__(
+        self, module: nn.Module, rank: int, world_size: int, *, bucket_cap_mb: float = 25.0
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.world_size = world_size
+        self.buckets = _pack(module, rank, world_size, int(bucket_cap_mb * 2**20))
+        self.require_sync = True
+        self._pending: list[tuple[Any, torch.Tensor, _Bucket]] = []
+        self._reduced: set[int] = set()
+        for index, bucket in enumerate(self.buckets):
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(self._hook(index))
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def build_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
+        """An optimizer of ``cls`` over this rank's slices; each step ends in an all-gather."""
+        optimizer = cls([b.shard for b in self.buckets], **kwargs)
+        optimizer.register_step_post_hook(lambda *_: self.gather())
+        return optimizer
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (no reduce-scatter) inside this context."""
+        self.require_sync = False
+        try:
+            yield
+        finally:
+            self.require_sync = True
+
+    def _hook(self, index: int) -> Any:
+        def on_grad(param: torch.Tensor) -> None:
+            if not self.require_sync:
+                return
+            bucket = self.buckets[index]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._reduce(index)
+
+        return on_grad
+
+    def _reduce(self, index: int) -> None:
+        bucket = self.buckets[index]
+        bucket.ready = 0
+        self._reduced.add(index)
+        grads = [
+            p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
+            for p in bucket.params
+        ]
+        padding = bucket.size - sum(g.numel() for g in grads)
+        flat = torch.cat([*grads, grads[0].new_zeros(padding)])
+        for p in bucket.params:
+            p.grad = None  # the full gradients go; only this rank's slice stays
+        out = torch.empty_like(bucket.shard)
+        work = dist.reduce_scatter_single(out, flat, async_op=True)
+        self._pending.append((work, out, bucket))
+
+    def finish_backward(self) -> None:
+        """Reduce what the hooks did not (buckets without gradients) and wait for every
+        reduce-scatter; afterwards each bucket's ``shard.grad`` holds the averaged gradient."""
+        for index in range(len(self.buckets)):
+            if index not in self._reduced:
+                self._reduce(index)
+        for work, out, bucket in self._pending:
+            work.wait()
+            out.div_(self.world_size)
+            shard = bucket.shard
+            shard.grad = out if shard.grad is None else shard.grad.add_(out)
+        self._pending.clear()
+        self._reduced.clear()
+
+    def gather(self) -> None:
+        """Bring every rank's updated slice into every rank's buckets."""
+        for bucket in self.buckets:
+            dist.all_gather_single(bucket.flat, bucket.shard.detach().clone())
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the global gradient norm over all ranks' shards; returns the norm."""
+        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
+        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+        dist.all_reduce(squares)
+        norm = squares.sqrt()
+        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+        return norm
+
+    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer state per parameter name (as for an unsharded model), on every rank."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        state: dict[str, dict[str, Any]] = {}
+        for bucket in self.buckets:
+            for key, value in optimizer.state.get(bucket.shard, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == bucket.shard.shape:
+                    full = value.new_empty(bucket.size)
+                    dist.all_gather_single(full, value.contiguous())
+                    for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+                        piece = full[offset : offset + p.numel()].view_as(p).clone()
+                        state.setdefault(names[id(p)], {})[key] = piece
+                else:  # step counters and other per-tensor scalars
+                    for p in bucket.params:
+                        state.setdefault(names[id(p)], {})[key] = _copy(value)
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(names.values())}
+            for g in optimizer.param_groups
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def load_full_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, full: dict[str, Any]
+    ) -> None:
+        """Load a state made by ``full_optimizer_state`` (from any world size)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        local: dict[int, dict[str, Any]] = {}
+        for index, bucket in enumerate(self.buckets):
+            per_param = [full["state"].get(names[id(p)], {}) for p in bucket.params]
+            for key, value in per_param[0].items():
+                if isinstance(value, torch.Tensor) and value.shape == bucket.params[0].shape:
+                    flat = torch.zeros(bucket.size, dtype=value.dtype)
+                    for p, offset, entry in zip(
+                        bucket.params, bucket.offsets, per_param, strict=True
+                    ):
+                        flat[offset : offset + p.numel()] = entry[key].reshape(-1).cpu()
+                    local.setdefault(index, {})[key] = flat[bucket.slice].clone()
+                else:
+                    local.setdefault(index, {})[key] = _copy(value)
+        group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
+        params = list(range(len(self.buckets)))
+        optimizer.load_state_dict({"state": local, "param_groups": [{**group, "params": params}]})
+
+def _pack(module: nn.Module, rank: int, world_size: int, cap_bytes: int) -> list[_Bucket]:
+    """Buckets of trainable parameters, last registered first, one dtype and device each."""
+    buckets: list[_Bucket] = []
+    group: list[nn.Parameter] = []
+    size = 0
+    for p in reversed([p for p in module.parameters() if p.requires_grad]):
+        same_kind = not group or (p.dtype, p.device) == (group[0].dtype, group[0].device)
+        if group and (size + p.numel() * p.element_size() > cap_bytes or not same_kind):
+            buckets.append(_Bucket(group, rank, world_size))
+            group, size = [], 0
+        group.append(p)
+        size += p.numel() * p.element_size()
+    if group:
+        buckets.append(_Bucket(group, rank, world_size))
+    return buckets
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
