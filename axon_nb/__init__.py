@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from axon_nb.checkpoint import Checkpoint
 from axon_nb.cluster import Cluster, ClusterOptions
 from axon_nb.errors import (
     AxonError,
@@ -33,6 +34,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "AxonError",
+    "Checkpoint",
     "Cluster",
     "ClusterBrokenError",
     "ClusterOptions",

@@ -35,7 +35,7 @@ def test_every_bad_argument_is_listed_at_once() -> None:
     with pytest.raises(ValueError) as e:
         make_spec(
             DDP,
-            **{**BASE, "steps": 0},
+            **{**BASE, "steps": -1},
             mixed_precision="fp8",
             schedule="step",
             name="my model",

@@ -18,6 +18,7 @@ import psutil
 from axon_nb.cluster import reaper
 from axon_nb.cluster.launchers import LAUNCHERS
 from axon_nb.cluster.options import ClusterOptions
+from axon_nb.checkpoint import Checkpoint, check_save_target
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.engine import bootstrap, script, world
 from axon_nb.engine.placement import PlacementError, plan_world
@@ -260,6 +261,50 @@ class Cluster:
             handle.show()
         return handle.wait() if block else handle
 
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        kind: str = "full",
+        *,
+        name: str = "model",
+        overwrite: bool = False,
+    ) -> Checkpoint:
+        """Save training run ``name`` (model, optimizer, step, schedule) as a checkpoint.
+
+        ``kind="full"``: the state is gathered and rank 0 writes one file (``torch.save``);
+        ``kind="sharded"``: every rank writes its shards with ``torch.distributed.checkpoint``,
+        which can be loaded on a different number of ranks. The checkpoint only appears at
+        ``path`` once complete; an existing one is replaced only with ``overwrite=True``, and
+        only after the new one is complete. Example::
+
+            cluster.train(model=make_gpt, data=ds, strategy=FSDP(), steps=100)
+            cluster.save("ckpt/step100", kind="sharded")
+        """
+        target = check_save_target(path, kind, overwrite)
+        partial = f"{target}.partial-{uuid.uuid4().hex[:12]}"
+        targets = self._targets(None)
+        ar = self._view(targets).apply_async(_checkpoint_on_rank, "save", name, target, partial, kind)
+        results(self._wait(ar, targets, stream=True))
+        return Checkpoint.read(target)
+
+    def load(self, path: str | os.PathLike[str], *, name: str = "model") -> Checkpoint:
+        """Load a checkpoint into training run ``name``; ``train(..., resume=True)`` continues.
+
+        The run must exist, built with the checkpoint's model and optimizer (``steps=0`` builds
+        one without training); any strategy and number of ranks works for a sharded
+        checkpoint. Loading reads tensors only (``weights_only=True``). A checkpoint that does
+        not fit the run changes nothing. Example::
+
+            cluster.train(model=make_gpt, data=ds, strategy=FSDP(), steps=0)
+            cluster.load("ckpt/step100")
+            cluster.train(steps=100, batch_size=32, resume=True)
+        """
+        ckpt = Checkpoint.read(path)  # missing or incomplete: refused before any rank is asked
+        targets = self._targets(None)
+        ar = self._view(targets).apply_async(_checkpoint_on_rank, "load", name, ckpt.path)
+        results(self._wait(ar, targets, stream=True))
+        return ckpt
+
     def interrupt(self, ranks: Sequence[int] | None = None) -> None:
         """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
         _Control(self.client, []).interrupt(self._targets(ranks))
@@ -462,6 +507,12 @@ def _train_on_rank(spec_bytes: bytes, run: str) -> Any:
     from axon_nb.engine.loop import train_on_rank  # imports torch: on the rank only
 
     return train_on_rank(spec_bytes, run)
+
+
+def _checkpoint_on_rank(verb: str, *args: Any) -> Any:
+    from axon_nb.engine import checkpoint  # imports torch: on the rank only
+
+    return getattr(checkpoint, verb)(*args)
 
 
 def _engine_id() -> int:

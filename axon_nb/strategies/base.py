@@ -14,6 +14,10 @@ The loop calls, in order::
         optimizer.step()
     strategy.state_dict(model)                          # full, unsharded parameters
 
+Checkpoints use ``get_state`` / ``set_state``: model and optimizer state keyed by the user's
+parameter names, either full (gathered) or as this rank's shards for
+``torch.distributed.checkpoint``.
+
 Later strategies (FSDP, ZeRO, pipeline, tensor, hybrid) override these and nothing else.
 """
 
@@ -100,9 +104,67 @@ class Strategy:
         """The full (unsharded) model state dict, with the user's parameter names."""
         return self.unwrap(model).state_dict()
 
+    def get_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool
+    ) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}`` keyed by parameter name (a collective).
+
+        ``full=True``: gathered, unsharded tensors on the CPU (only rank 0's copy is
+        complete; sharded strategies leave the other ranks' empty). ``full=False``: this rank's
+        shards as DTensors (or whole tensors where nothing is sharded), for
+        ``torch.distributed.checkpoint``, which reshards them on load.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def set_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        """Load what ``get_state`` returned (full on every rank, or loaded shards); an
+        ``"optimizer"`` of None leaves the optimizer as it is."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=not _has_dtensors(state["model"]))
+        set_model_state_dict(model, state["model"], options=options)
+        if state["optimizer"] is not None:
+            set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
     def describe(self) -> str:
         """One line for logs and results."""
         return repr(self)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (moments, step counters) with one step of zero gradients
+    at learning rate 0, if it has none yet; the parameters do not change."""
+    import torch
+
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own shard
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if local.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _has_dtensors(state: dict[str, Any]) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(v, DTensor) for v in state.values())
 
 
 @dataclass(frozen=True, slots=True)

@@ -101,3 +101,67 @@ class ZeRO(DDP):
         if self.stage == 3:
             return FSDP().state_dict(model)
         return DDP.state_dict(self, model)
+
+    def get_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, *, full: bool
+    ) -> dict[str, Any]:
+        if self.stage == 3:
+            return Strategy.get_state(self, model, optimizer, full=full)
+        # Parameters are whole on every rank; the optimizer state is gathered to its
+        # unsharded form (on every rank, so checkpoint writes can be spread over the ranks).
+        module = self.unwrap(model)
+        names = [n for n, _ in module.named_parameters()]
+        model_state = {k: v.detach() for k, v in module.state_dict().items()}
+        if self.stage == 2:
+            optim_state = model.full_optimizer_state(optimizer)  # type: ignore[operator]
+        else:
+            optim_state = _consolidated(optimizer, names)
+        if full:
+            model_state = {k: v.cpu().clone() for k, v in model_state.items()}
+        return {"model": model_state, "optimizer": optim_state}
+
+    def set_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    ) -> None:
+        if self.stage == 3:
+            return Strategy.set_state(self, model, optimizer, state)
+        module = self.unwrap(model)
+        module.load_state_dict(state["model"])  # copies into the (bucket) storage in place
+        if state["optimizer"] is None:
+            return
+        if self.stage == 2:
+            model.load_full_optimizer_state(optimizer, state["optimizer"])  # type: ignore[operator]
+            return
+        index = {n: i for i, (n, _) in enumerate(module.named_parameters())}
+        optim = state["optimizer"]
+        optimizer.load_state_dict(
+            {
+                "state": {index[n]: dict(v) for n, v in optim["state"].items()},
+                "param_groups": [
+                    {**g, "params": [index[n] for n in g["params"]]} for g in optim["param_groups"]
+                ],
+            }
+        )
+
+
+def _consolidated(optimizer: Any, names: list[str]) -> dict[str, Any]:
+    """ZeroRedundancyOptimizer's state, gathered from its owners, keyed by parameter name."""
+    import torch.distributed as dist
+
+    optimizer.consolidate_state_dict(to=0)
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        state = optimizer.state_dict()
+        state["state"] = {  # CPU copies: pickling a CUDA tensor would pin it to rank 0's GPU
+            i: {k: v.cpu() if hasattr(v, "cpu") else v for k, v in entry.items()}
+            for i, entry in state["state"].items()
+        }
+        box = [state]
+    dist.broadcast_object_list(box, src=0)
+    state = box[0]
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }

@@ -131,8 +131,9 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append(f"loss must be callable loss(output, target), got {spec.loss!r}")
     for name in ("steps", "batch_size", "grad_accum"):
         value = getattr(spec, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            errors.append(f"{name} must be a positive integer, got {value!r}")
+        least = 0 if name == "steps" else 1  # steps=0 builds the run without training
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            errors.append(f"{name} must be an integer >= {least}, got {value!r}")
     if spec.mixed_precision not in MIXED_PRECISION:
         errors.append(
             f"mixed_precision must be 'bf16', 'fp16' or None, got {spec.mixed_precision!r}"
