@@ -15,10 +15,10 @@ import cloudpickle
 import ipyparallel as ipp
 import psutil
 
+from axon_nb.checkpoint import Checkpoint, check_save_target
 from axon_nb.cluster import reaper
 from axon_nb.cluster.launchers import LAUNCHERS
 from axon_nb.cluster.options import ClusterOptions
-from axon_nb.checkpoint import Checkpoint, check_save_target
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.engine import bootstrap, script, world
 from axon_nb.engine.placement import PlacementError, plan_world
@@ -283,7 +283,9 @@ class Cluster:
         target = check_save_target(path, kind, overwrite)
         partial = f"{target}.partial-{uuid.uuid4().hex[:12]}"
         targets = self._targets(None)
-        ar = self._view(targets).apply_async(_checkpoint_on_rank, "save", name, target, partial, kind)
+        ar = self._view(targets).apply_async(
+            _checkpoint_on_rank, "save", name, target, partial, kind
+        )
         results(self._wait(ar, targets, stream=True))
         return Checkpoint.read(target)
 

@@ -125,7 +125,9 @@ def _check_fits(ckpt: Checkpoint, state: TrainState) -> None:
     if extra:
         problems.append(f"not in this model: {_some(extra)}")
     shapes = [
-        f"{k} {theirs[k]} vs {ours[k]}" for k in sorted(set(ours) & set(theirs)) if theirs[k] != ours[k]
+        f"{k} {theirs[k]} vs {ours[k]}"
+        for k in sorted(set(ours) & set(theirs))
+        if theirs[k] != ours[k]
     ]
     if shapes:
         problems.append(f"different shapes (checkpoint vs model): {_some(shapes)}")

@@ -193,6 +193,7 @@ class GradShardedModel(nn.Module):
         params = list(range(len(self.buckets)))
         optimizer.load_state_dict({"state": local, "param_groups": [{**group, "params": params}]})
 
+
 def _pack(module: nn.Module, rank: int, world_size: int, cap_bytes: int) -> list[_Bucket]:
     """Buckets of trainable parameters, last registered first, one dtype and device each."""
     buckets: list[_Bucket] = []
