@@ -1,0 +1,224 @@
+"""Checkpoints: save -> load -> continue equals an uninterrupted run, bit for bit; sharded
+checkpoints reshard between 2 and 4 ranks; interrupted writes are never taken for complete;
+bad input changes nothing. Real clusters, gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import axon_nb
+from axon_nb import DDP, FSDP, ZeRO
+from axon_nb.checkpoint import MARKER, Checkpoint
+from axon_nb.models import GPT, GPTConfig, token_dataset
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+ARGS: dict[str, Any] = dict(
+    model=lambda: GPT(GPTConfig()),
+    data=token_dataset,
+    batch_size=32,
+    optimizer=("adamw", {"lr": 3e-3}),
+    seed=0,
+)
+LOSS_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    with axon_nb.Cluster(n=2, timeout=60) as c:
+        yield c
+
+
+def _state(name: str) -> dict[str, Any]:
+    """Run ``name``'s full model and optimizer state, gathered (rank 0's copy is complete)."""
+    from axon_nb.engine import trainstate
+
+    state = trainstate.get(name)
+    return {"step": state.step, **state.strategy.get_state(state.model, state.optimizer, full=True)}
+
+
+def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["step"] == b["step"]
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["optimizer"]["state"].keys() == b["optimizer"]["state"].keys()
+    for name, entry in a["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, b["optimizer"]["state"][name][key]), (name, key)
+
+
+def _train(cluster: axon_nb.Cluster, strategy: Any, steps: int, name: str, **kw: Any) -> Any:
+    return cluster.train(**ARGS, strategy=strategy, steps=steps, name=name, **kw)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kind"),
+    [
+        (FSDP(), "sharded"),
+        (FSDP(), "full"),
+        (FSDP(sharding="shard_grad_op"), "sharded"),
+        (ZeRO(stage=1), "full"),
+        (ZeRO(stage=2), "sharded"),
+        (DDP(), "sharded"),
+    ],
+    ids=["fsdp-sharded", "fsdp-full", "shard_grad_op-sharded", "zero1-full", "zero2-sharded",
+         "ddp-sharded"],
+)  # fmt: skip
+def test_save_load_continue_equals_an_uninterrupted_run(
+    cluster: axon_nb.Cluster, tmp_path: Path, strategy: Any, kind: str
+) -> None:
+    path = tmp_path / "ckpt"
+    _train(cluster, strategy, 6, "a")
+    saved = cluster.save(path, kind, name="a")
+    assert (saved.kind, saved.step, saved.world_size, saved.name) == (kind, 6, 2, "a")
+    uninterrupted = _train(cluster, strategy, 6, "a", resume=True)
+
+    _train(cluster, strategy, 0, "b")  # a fresh run to load into
+    assert cluster.load(path, name="b").step == 6
+    resumed = _train(cluster, strategy, 6, "b", resume=True)
+
+    assert resumed.start_step == 6
+    assert resumed.losses == uninterrupted.losses  # bit for bit
+    a, b = (cluster.run(_state, n, stream=False)[0] for n in ("a", "b"))
+    _assert_same_state(a, b)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "kind"),
+    [(FSDP(), "sharded"), (ZeRO(stage=2), "sharded"), (FSDP(), "full")],
+    ids=["fsdp-sharded", "zero2-sharded", "fsdp-full"],
+)
+def test_checkpoints_load_on_another_world_size(
+    cluster: axon_nb.Cluster,
+    cluster4: axon_nb.Cluster,
+    tmp_path: Path,
+    strategy: Any,
+    kind: str,
+) -> None:
+    for source, target in ((cluster, cluster4), (cluster4, cluster)):
+        path = tmp_path / f"from{len(source.ranks)}"
+        _train(source, strategy, 5, "a")
+        source.save(path, kind, name="a")
+        saved = source.run(_state, "a", stream=False)[0]
+
+        _train(target, strategy, 0, "b")
+        target.load(path, name="b")
+        loaded = target.run(_state, "b", stream=False)[0]
+        _assert_same_state(saved, loaded)  # resharding keeps every value
+
+        # The same global batches on 2 or 4 ranks: equal up to summation order.
+        there = _train(source, strategy, 4, "a", resume=True)
+        here = _train(target, strategy, 4, "b", resume=True)
+        assert max(abs(x - y) for x, y in zip(there.losses, here.losses, strict=True)) < LOSS_TOL
+
+
+def _fail_before_marker() -> None:
+    """Make this rank's next save die after every part is written, before the marker."""
+    from axon_nb.engine import checkpoint
+
+    def crash(*args: Any) -> None:
+        raise OSError("disk full (injected)")
+
+    checkpoint._complete = crash
+
+
+def _restore_complete() -> None:
+    import importlib
+
+    from axon_nb.engine import checkpoint
+
+    checkpoint._complete = importlib.reload(checkpoint)._complete
+
+
+def test_an_interrupted_write_is_never_taken_for_complete(
+    cluster: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    path = tmp_path / "ckpt"
+    _train(cluster, FSDP(), 3, "a")
+    cluster.save(path, "sharded", name="a")
+    _train(cluster, FSDP(), 2, "a", resume=True)
+    cluster.run(_fail_before_marker, stream=False)
+    try:
+        with pytest.raises(axon_nb.RankError, match="disk full"):
+            cluster.save(path, "sharded", name="a", overwrite=True)
+        with pytest.raises(axon_nb.RankError, match="disk full"):
+            cluster.save(tmp_path / "other", "full", name="a")
+    finally:
+        cluster.run(_restore_complete, stream=False)
+    # The replaced checkpoint is untouched and still loads (step 3, not 5).
+    assert Checkpoint.read(path).step == 3
+    partials = sorted(p.name for p in tmp_path.iterdir() if ".partial-" in p.name)
+    assert len(partials) == 2 and any((tmp_path / p / ".metadata").exists() for p in partials)
+    with pytest.raises(FileNotFoundError, match="never completed: its write was interrupted"):
+        cluster.load(tmp_path / "other", name="a")
+    with pytest.raises(ValueError, match=f"not a complete axon_nb checkpoint: it has no {MARKER}"):
+        Checkpoint.read(tmp_path / partials[0])
+    _train(cluster, FSDP(), 0, "b")
+    assert cluster.load(path, name="b").step == 3
+
+
+def _params(name: str) -> dict[str, torch.Tensor]:
+    from axon_nb.engine import trainstate
+
+    state = trainstate.get(name)
+    return {k: v.detach().clone() for k, v in state.strategy.state_dict(state.model).items()}
+
+
+def test_bad_checkpoint_input_changes_nothing(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _train(cluster, DDP(), 2, "a")
+    cluster.save(path, "sharded", name="a")
+    with pytest.raises(FileExistsError, match="pass overwrite=True to replace it"):
+        cluster.save(path, "sharded", name="a")
+    with pytest.raises(ValueError, match="kind must be 'full' or 'sharded'"):
+        cluster.save(tmp_path / "x", "zip", name="a")
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        cluster.load(tmp_path / "nowhere", name="a")
+    with pytest.raises(axon_nb.RankError, match=r"no training run named 'c'.*steps=0"):
+        cluster.load(path, name="c")
+    with pytest.raises(axon_nb.RankError, match="no training run named 'c' on this rank to save"):
+        cluster.save(tmp_path / "y", name="c")
+
+    # A different model: nothing is loaded, the run keeps its parameters.
+    cluster.train(**{**ARGS, "model": lambda: GPT(GPTConfig(n_embd=48))}, steps=1, name="wide")
+    before = cluster.run(_params, "wide", stream=False)[0]
+    with pytest.raises(axon_nb.RankError, match="does not fit run 'wide'") as e:
+        cluster.load(path, name="wide")
+    assert "different shapes (checkpoint vs model)" in str(e.value)
+    assert "Nothing was loaded; the run is unchanged" in str(e.value)
+    after = cluster.run(_params, "wide", stream=False)[0]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+    # The same model with another optimizer.
+    cluster.train(**{**ARGS, "optimizer": ("sgd", {"lr": 0.1})}, strategy=DDP(), steps=1, name="s")
+    with pytest.raises(
+        axon_nb.RankError, match="the checkpoint's optimizer is AdamW, this run's SGD"
+    ):
+        cluster.load(path, name="s")
+
+
+class _Payload:
+    """Not a tensor: unpickling it would run code, which weights_only loading refuses."""
+
+    def __reduce__(self) -> Any:
+        return (os.getcwd, ())
+
+
+def test_full_checkpoints_load_tensors_only(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    _train(cluster, DDP(), 1, "a")
+    cluster.save(path, "full", name="a")
+    blob = torch.load(path / "state.pt", weights_only=True)
+    torch.save({**blob, "model": _Payload()}, path / "state.pt")
+    with pytest.raises(axon_nb.RankError, match="Weights only load failed"):
+        cluster.load(path, name="a")
+    meta = json.loads((path / MARKER).read_text())
+    assert meta["kind"] == "full" and meta["world_size"] == 2
