@@ -56,7 +56,7 @@ def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -
     for k, v in ref.model.state_dict().items():
         assert params[0][k].shape == v.shape
         assert (params[0][k] - v).abs().max().item() < PARAM_TOL, k
-        assert torch.equal(params[0][k], params[1][k])
+        assert all(torch.equal(params[0][k], other[k]) for other in params[1:])
     return result
 
 
@@ -70,6 +70,7 @@ def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -
         FSDP(auto_wrap=("Block",)),
         FSDP(min_params=1000),
         FSDP(activation_checkpointing=True, interval=1),
+        FSDP(cpu_offload=True),
         DDP(),
         ZeRO(stage=2),
     ],
@@ -81,6 +82,7 @@ def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -
         "wrap-Block",
         "wrap-size",
         "activation-checkpointing",
+        "cpu-offload",
         "ddp",
         "zero2",
     ],
@@ -95,6 +97,17 @@ def test_every_sharding_mode_matches_one_process(
     # (ZeRO-2 keeps whole parameters.)
     # Sharded modes hold about half the parameters on each of 2 ranks (shards are padded).
     assert held < 0.6 * total if sharded else held == total
+
+
+def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(
+    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+) -> None:
+    result = cluster.train(**ARGS, strategy=FSDP(param_dtype="bf16", reduce_dtype="fp32"))
+    gap = max(abs(a - b) for a, b in zip(result.losses, reference.losses, strict=True))
+    assert LOSS_TOL < gap < 1e-2  # bf16 compute: close to, but not exactly, the fp32 run
+    params = cluster.run(_full_params, stream=False)[0]
+    assert all(v.dtype == torch.float32 for v in params.values())
+    assert result.memory[0]["param_bytes"] == reference.memory[0]["param_bytes"] // 2
 
 
 def test_accumulation_and_clipping_under_fsdp(cluster: axon_nb.Cluster) -> None:
@@ -174,3 +187,68 @@ def test_zero1_shards_only_the_optimizer_state(
     assert "broadcast" in result.ranks[0]["comm_totals"]  # updated shards go to the others
     with pytest.raises(ValueError, match="ZeRO stage must be 1, 2 or 3"):
         ZeRO(stage=4)
+
+
+def test_every_mode_on_four_ranks_matches_and_follows_the_memory_table(
+    cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult
+) -> None:
+    strategies = {
+        "ddp": DDP(),
+        "zero1": ZeRO(stage=1),
+        "zero2": ZeRO(stage=2),
+        "zero3": ZeRO(stage=3),
+        "full_shard": FSDP(),
+        "shard_grad_op": FSDP(sharding="shard_grad_op"),
+        "no_shard": FSDP(sharding="no_shard"),
+        "hybrid2": FSDP(sharding="hybrid_shard", shard_size=2),
+    }
+    totals = {}
+    for label, strategy in strategies.items():
+        result = _check(cluster4, reference, strategy=strategy)
+        expected = estimate(reference.model, strategy, world_size=4)
+        for memory in result.memory:
+            parts = (memory["param_bytes"], memory["grad_bytes"], memory["optimizer_bytes"])
+            assert sum(parts) == pytest.approx(expected["total"], rel=0.05), label
+            assert parts[0] == pytest.approx(expected["params"], rel=0.05), label
+        totals[label] = sum(
+            result.memory[0][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes")
+        )
+    # The table's order: each ZeRO stage holds less than the one before; FSDP's sharded modes
+    # hold what ZeRO-3 does; hybrid sharding over groups of 2 sits between.
+    assert totals["ddp"] > totals["zero1"] > totals["zero2"] > totals["zero3"]
+    assert totals["no_shard"] == totals["ddp"]
+    assert totals["zero3"] == pytest.approx(totals["full_shard"], rel=0.01)
+    assert totals["full_shard"] < totals["hybrid2"] < totals["ddp"]
+    assert totals["hybrid2"] == pytest.approx(2 * totals["full_shard"], rel=0.05)
+
+
+def test_peak_memory_follows_sharding_and_activation_checkpointing(
+    cluster: axon_nb.Cluster,
+) -> None:
+    def peaks(config: GPTConfig, batch_size: int, *strategies: Any) -> list[int]:
+        args = dict(
+            ARGS,
+            model=lambda: GPT(config),
+            data=lambda: token_dataset(block_size=config.block_size),
+            steps=2,
+            batch_size=batch_size,
+        )
+        found = []
+        for strategy in strategies:
+            result = cluster.train(**args, strategy=strategy)
+            for memory in result.memory:
+                held = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
+                assert memory["peak_bytes"] > held
+            found.append(result.memory[0]["peak_bytes"])
+        return found
+
+    # Parameters dominate: sharding them lowers the peak (model state 16 vs 8 bytes/param).
+    big_model = GPTConfig(n_embd=128, n_layer=4)
+    replicated, sharded = peaks(big_model, 4, FSDP(sharding="no_shard"), FSDP())
+    assert sharded < 0.75 * replicated
+    # Activations dominate: recomputing them in backward lowers the peak.
+    long_sequences = GPTConfig(block_size=128, n_layer=4)
+    stored, recomputed = peaks(
+        long_sequences, 16, FSDP(), FSDP(activation_checkpointing=True, interval=1)
+    )
+    assert recomputed < 0.6 * stored

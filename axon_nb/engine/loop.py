@@ -6,6 +6,7 @@ also used in one process by ``axon_nb.train_local``.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -22,6 +23,7 @@ from axon_nb.engine.data import StepBatches, resolve_dataset
 from axon_nb.engine.trainstate import LRShape, TrainState
 from axon_nb.metrics import memory
 from axon_nb.metrics.comm import CommMeter
+from axon_nb.metrics.peak import PeakTracker
 from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.train.spec import OPTIMIZERS, TrainSpec
 
@@ -253,6 +255,8 @@ class _Loop:
         self.micro = _MicroStep(spec, ctx, state.scaler)
         self.stopped = False
         self.memory: dict[str, int] = {}
+        self.peak_bytes: int | None = None
+        """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
         self.started = time.monotonic()
 
     def run(self, batches: StepBatches, stop: StopSignal) -> None:
@@ -272,20 +276,18 @@ class _Loop:
     ) -> None:
         spec, state = self.spec, self.state
         lr = state.optimizer.param_groups[0]["lr"]
-        loss = spec.strategy.forward_backward(state.model, microbatches, self.micro)
-        if state.scaler is not None:
-            state.scaler.unscale_(state.optimizer)
-        norm = None
-        if spec.clip_grad_norm is not None:
-            norm = float(spec.strategy.clip_grad_norm(state.model, spec.clip_grad_norm))
-        if state.scaler is not None:
-            state.scaler.step(state.optimizer)
-            state.scaler.update()
-        else:
-            state.optimizer.step()
+        track = self.peak_bytes is None and self.ctx.device.type == "cpu"
+        if track:
+            held = sum(memory.model_state(state.model, state.optimizer).values())
+        with PeakTracker() if track else contextlib.nullcontext() as tracker:
+            loss, norm = self._update(microbatches)
+        if tracker is not None:
+            self.peak_bytes = held + tracker.peak
         publish = last or self.publisher.due()
         if publish:  # before zero_grad, so gradients count
-            self.memory = memory.snapshot(state.model, state.optimizer, self.ctx.device)
+            self.memory = memory.snapshot(
+                state.model, state.optimizer, self.ctx.device, self.peak_bytes
+            )
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         state.step += 1
@@ -309,6 +311,22 @@ class _Loop:
         )
         if publish and not (last or self.stopped):
             self.publish("running")
+
+    def _update(self, microbatches: list[Any]) -> tuple[torch.Tensor, float | None]:
+        """Forward, backward, clipping and the optimizer step; the loss and gradient norm."""
+        spec, state = self.spec, self.state
+        loss = spec.strategy.forward_backward(state.model, microbatches, self.micro)
+        if state.scaler is not None:
+            state.scaler.unscale_(state.optimizer)
+        norm = None
+        if spec.clip_grad_norm is not None:
+            norm = float(spec.strategy.clip_grad_norm(state.model, spec.clip_grad_norm))
+        if state.scaler is not None:
+            state.scaler.step(state.optimizer)
+            state.scaler.update()
+        else:
+            state.optimizer.step()
+        return loss, norm
 
     def _agree(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
         """One small all-reduce per step: the global mean loss, and whether any rank must stop.

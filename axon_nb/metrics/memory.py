@@ -40,23 +40,19 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterable[Any]:
                 yield value
 
 
-def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, device: Any) -> dict[str, int]:
+def snapshot(
+    model: nn.Module, optimizer: torch.optim.Optimizer, device: Any, peak_bytes: int | None = None
+) -> dict[str, int]:
     """Memory figures of this rank, all in bytes.
 
     Always: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (this rank's local tensors)
-    and ``rss_bytes`` (process resident set). On CUDA also ``cuda_allocated``,
-    ``cuda_reserved`` and ``cuda_peak`` (max allocated since the run started).
+    and ``rss_bytes`` (process resident set). ``peak_bytes``: on CUDA the allocator's peak
+    since the run started, on CPU the ``peak_bytes`` given (see ``metrics.peak``). On CUDA
+    also ``cuda_allocated``, ``cuda_reserved`` and ``cuda_peak``.
     """
-    params = list(model.parameters())
-    # A sharding optimizer may step its own views of the parameters (ZeRO-2's bucket
-    # slices), whose gradients are the only ones left between backward and step.
-    stepped = [p for group in optimizer.param_groups for p in group["params"]]
-    figures = {
-        "param_bytes": tensor_bytes(params),
-        "grad_bytes": tensor_bytes(p.grad for p in [*params, *stepped]),
-        "optimizer_bytes": tensor_bytes(optimizer_tensors(optimizer)),
-        "rss_bytes": psutil.Process().memory_info().rss,
-    }
+    figures = {**model_state(model, optimizer), "rss_bytes": psutil.Process().memory_info().rss}
+    if peak_bytes is not None:
+        figures["peak_bytes"] = peak_bytes
     if getattr(device, "type", None) == "cuda":
         import torch
 
@@ -65,4 +61,18 @@ def snapshot(model: nn.Module, optimizer: torch.optim.Optimizer, device: Any) ->
             cuda_reserved=torch.cuda.memory_reserved(device),
             cuda_peak=torch.cuda.max_memory_allocated(device),
         )
+        figures["peak_bytes"] = figures["cuda_peak"]
     return figures
+
+
+def model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """This rank's ``param_bytes``, ``grad_bytes`` and ``optimizer_bytes``."""
+    params = list(model.parameters())
+    # A sharding optimizer may step its own views of the parameters (ZeRO-2's bucket
+    # slices), whose gradients are the only ones left between backward and step.
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "param_bytes": tensor_bytes(params),
+        "grad_bytes": tensor_bytes(p.grad for p in [*params, *stepped]),
+        "optimizer_bytes": tensor_bytes(optimizer_tensors(optimizer)),
+    }

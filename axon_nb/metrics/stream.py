@@ -20,8 +20,8 @@ Schema ``axon_nb.metrics/1`` (all sizes in bytes, all times in seconds)::
       "elapsed_s": float,      # since this call started on this rank
       "heartbeat": float,      # time.time() of this publication
       "memory": {...},         # metrics.memory.snapshot(): param_bytes, grad_bytes,
-                               # optimizer_bytes, rss_bytes [, cuda_allocated, cuda_reserved,
-                               # cuda_peak]
+                               # optimizer_bytes, rss_bytes, peak_bytes (once the first step
+                               # ran) [, cuda_allocated, cuda_reserved, cuda_peak]
       "comm_totals": {kind: {"bytes", "time_s", "count"}},   # since the call started
       "records": [             # recent steps, oldest first
         {

@@ -50,13 +50,17 @@ def apply_fsdp(
     reduce_dtype: str | None = None,
     cpu_offload: bool = False,
 ) -> nn.Module:
-    """Shard ``units`` (inner first) and then the root over ``mesh`` (1-D: FSDP, 2-D: HSDP)."""
+    """Shard ``units`` (inner first) and then the root over ``mesh`` (1-D: FSDP, 2-D: HSDP).
+
+    ``cpu_offload`` moves shards to the CPU between uses; on CPU ranks they are there already,
+    so it changes nothing (and the same notebook runs on both).
+    """
     policy = MixedPrecisionPolicy(
         param_dtype=DTYPES[param_dtype] if param_dtype else None,
         reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None,
     )
     options = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    if cpu_offload:
+    if cpu_offload and mesh.device_type != "cpu":
         options["offload_policy"] = CPUOffloadPolicy()
     for unit in units:
         fully_shard(unit, **options)

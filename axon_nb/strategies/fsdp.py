@@ -50,7 +50,8 @@ class FSDP(Strategy):
     reduce_dtype: str | None = None
     """Dtype of gradient reduction, or None (the parameter dtype)."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state on the CPU between uses."""
+    """Keep sharded parameters, gradients and optimizer state on the CPU between uses (GPU
+    ranks; on CPU ranks everything is on the CPU already)."""
     reshard_after_forward: bool | None = None
     """Override the sharding mode's choice of resharding parameters after forward."""
     activation_checkpointing: bool = False

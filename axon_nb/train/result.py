@@ -86,6 +86,13 @@ class TrainResult:
         return self.status == "stopped"
 
     @property
+    def memory(self) -> list[dict[str, int]]:
+        """Per rank (rank order), bytes: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes``
+        (this rank's shards, at the end), ``peak_bytes`` (CUDA peak on GPU; on CPU, tracked
+        tensor bytes during the call's first step), ``rss_bytes`` and on GPU the CUDA figures."""
+        return [r["memory"] for r in self.ranks]
+
+    @property
     def steps(self) -> int:
         """Steps run by this call."""
         return self.step - self.start_step

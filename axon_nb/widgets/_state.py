@@ -51,7 +51,8 @@ class DashboardState:
         if message.get("status") == "failed" and message.get("error"):
             self.errors[rank] = message["error"]
         memory = message.get("memory") or {}
-        self.peaks[rank] = max(self.peaks.get(rank, 0), _held(memory))
+        peak = max(_held(memory), int(memory.get("peak_bytes", 0)))
+        self.peaks[rank] = max(self.peaks.get(rank, 0), peak)
         last = self.steps[-1] if self.steps else 0
         records = message.get("records") or ()
         if records:
