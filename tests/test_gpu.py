@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from models import make_data, make_mlp, mse
 
 import axon_nb
-from axon_nb import DDP
+from axon_nb import DDP, FSDP, ZeRO
+from axon_nb.models import GPT, GPTConfig, token_dataset
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,6 +22,13 @@ pytestmark = [
 ]
 
 ARGS = dict(model=make_mlp, data=make_data, loss=mse, batch_size=32, steps=25, seed=0)
+GPT_ARGS: dict[str, Any] = dict(
+    model=lambda: GPT(GPTConfig()),
+    data=token_dataset,
+    batch_size=32,
+    steps=10,
+    optimizer=("adamw", {"lr": 1e-3}),
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +71,24 @@ def test_status_reports_gpu_memory(cluster: axon_nb.Cluster) -> None:
     assert "GPU" in status_text(rows)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "zero"])
-def test_sharded_strategies_run_on_nccl(cluster: axon_nb.Cluster, strategy: str) -> None:
-    from axon_nb.models import GPT, GPTConfig, token_dataset
-
-    args = dict(model=lambda: GPT(GPTConfig()), data=token_dataset, batch_size=32, steps=10)
-    result = cluster.train(**args, strategy=strategy)
-    ref = axon_nb.train_local(**args, device="cuda")
+@pytest.mark.parametrize(
+    "strategy",
+    [FSDP(), FSDP(cpu_offload=True), ZeRO(stage=1), ZeRO(stage=2)],
+    ids=["fsdp", "fsdp-cpu-offload", "zero1", "zero2"],
+)
+def test_sharded_strategies_run_on_nccl(cluster: axon_nb.Cluster, strategy: Any) -> None:
+    result = cluster.train(**GPT_ARGS, strategy=strategy)
+    ref = axon_nb.train_local(**GPT_ARGS, device="cuda")
     assert result.losses == pytest.approx(ref.losses, abs=1e-4)
-    assert result.ranks[0]["memory"]["cuda_peak"] > 0
+    assert result.memory[0]["peak_bytes"] == result.memory[0]["cuda_peak"] > 0
+
+
+def test_checkpoint_round_trip_on_nccl(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+    args = {**GPT_ARGS, "strategy": FSDP()}
+    cluster.train(**{**args, "steps": 4}, name="a")
+    cluster.save(tmp_path / "ckpt", "sharded", name="a")
+    uninterrupted = cluster.train(**{**args, "steps": 3}, name="a", resume=True)
+    cluster.train(**{**args, "steps": 0}, name="b")
+    cluster.load(tmp_path / "ckpt", name="b")
+    resumed = cluster.train(**{**args, "steps": 3}, name="b", resume=True)
+    assert resumed.losses == uninterrupted.losses

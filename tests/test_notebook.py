@@ -19,3 +19,10 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     assert "[rank 0] rank 0 of 2 on cpu" in text
     assert "[rank 1] [3.0, 3.0, 3.0]" in text
     assert "Stopped the cluster (2 ranks)" in text
+
+
+def test_sharding_notebook_executes(tmp_path: Path) -> None:
+    nb = execute(EXAMPLES / "sharding.ipynb", tmp_path / "sharding.ipynb")
+    text = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
+    assert "zero 2" in text and "fsdp shard_grad_op" in text
+    assert "same losses after loading: True" in text

@@ -252,3 +252,17 @@ def test_peak_memory_follows_sharding_and_activation_checkpointing(
         long_sequences, 16, FSDP(), FSDP(activation_checkpointing=True, interval=1)
     )
     assert recomputed < 0.6 * stored
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [FSDP(), FSDP(min_params=100), ZeRO(stage=1), ZeRO(stage=2)],
+    ids=["full_shard", "wrap-size", "zero1", "zero2"],
+)
+def test_any_user_module_can_be_sharded(cluster: axon_nb.Cluster, strategy: Any) -> None:
+    from models import make_data, make_mlp, mse
+
+    args = dict(model=make_mlp, data=make_data, loss=mse, steps=20, batch_size=32, seed=0)
+    ref = axon_nb.train_local(**args, optimizer=("adamw", {"lr": 1e-2}))
+    result = cluster.train(**args, optimizer=("adamw", {"lr": 1e-2}), strategy=strategy)
+    assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < LOSS_TOL
