@@ -25,7 +25,16 @@ from axon_nb.errors import (
     RankDiedError,
     RankError,
 )
-from axon_nb.strategies import DDP, FSDP, SingleDevice, Strategy, ZeRO
+from axon_nb.strategies import (
+    DDP,
+    FSDP,
+    Hybrid,
+    Pipeline,
+    SingleDevice,
+    Strategy,
+    TensorParallel,
+    ZeRO,
+)
 from axon_nb.train import TrainHandle, TrainResult, train_local
 
 __version__ = "0.1.0"
@@ -39,11 +48,16 @@ __all__ = [
     "ClusterBrokenError",
     "ClusterOptions",
     "ClusterStartError",
+    "ColumnParallelLinear",
+    "Hybrid",
     "NoClusterError",
+    "Pipeline",
     "RankDiedError",
     "RankError",
+    "RowParallelLinear",
     "SingleDevice",
     "Strategy",
+    "TensorParallel",
     "TrainHandle",
     "TrainResult",
     "ZeRO",
@@ -52,6 +66,16 @@ __all__ = [
     "train_local",
     "unload_ipython_extension",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # Layers subclass torch.nn.Linear: imported on first use, so `import axon_nb` (the
+    # kernel side) does not import torch.
+    if name in ("ColumnParallelLinear", "RowParallelLinear"):
+        from axon_nb.parallel import tensor
+
+        return getattr(tensor, name)
+    raise AttributeError(f"module 'axon_nb' has no attribute {name!r}")
 
 
 def current_cluster() -> Cluster:

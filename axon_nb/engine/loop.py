@@ -188,12 +188,13 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Step
 
 
 def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> StepBatches:
+    index, replicas = spec.strategy.data_parallel(ctx.rank, ctx.world_size)
     return StepBatches(
         dataset,
         batch_size=spec.batch_size,
         grad_accum=spec.grad_accum,
-        rank=ctx.rank,
-        world_size=ctx.world_size,
+        rank=index,
+        world_size=replicas,
         seed=spec.seed,
         device=ctx.device,
     )
@@ -307,6 +308,7 @@ class _Loop:
                 "comm": comm,
                 "comm_bytes": sum(int(c["bytes"]) for c in comm.values()),
                 "comm_time_s": sum(c["time_s"] for c in comm.values()),
+                **spec.strategy.report(state.model),
             }
         )
         if publish and not (last or self.stopped):
@@ -335,10 +337,11 @@ class _Loop:
         """
         if self.ctx.world_size == 1:
             return float(loss), stop
-        both = torch.stack([loss.float(), torch.tensor(float(stop), device=loss.device)])
+        share = self.spec.strategy.loss_share(self.ctx.rank, self.ctx.world_size)
+        both = torch.stack([loss.float() * share, torch.tensor(float(stop), device=loss.device)])
         dist.all_reduce(both)
         total, stops = both.tolist()
-        return total / self.ctx.world_size, stops > 0
+        return total, stops > 0
 
     def publish(self, status: str, **fields: Any) -> None:
         self.publisher.publish(
@@ -368,7 +371,7 @@ class _MicroStep:
                 f"{type(batch).__name__} {_shape(batch)}"
             )
         inputs, target = batch
-        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None):
+        with self.autocast():
             if self.loss_fn is None:
                 loss = model(inputs, target)
             else:
@@ -382,6 +385,9 @@ class _MicroStep:
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
 
 
 def _shape(batch: Any) -> str:

@@ -53,9 +53,9 @@ class PeakTracker(TorchDispatchMode):
         local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
         try:
             storage = local.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage (e.g. a wrapper subclass)
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no real storage (a wrapper subclass)
             return
-        key = storage.data_ptr()
         if key == 0 or key in self._live:  # empty, or an in-place result / view
             return
         self._live[key] = storage.nbytes()

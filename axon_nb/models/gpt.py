@@ -95,14 +95,53 @@ class GPT(nn.Module):
         self.head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        x = self.tok_emb(idx) + self.pos_emb(positions)
+        x = _embed(self.tok_emb, self.pos_emb, idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return logits if targets is None else lm_loss(logits, targets)
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        """The model as layers in forward order, for pipeline cuts: embedding, each block,
+        head. They share this model's modules (and so its parameters and their names)."""
+        return [Embedding(self.tok_emb, self.pos_emb), *self.blocks, Head(self.ln_f, self.head)]
+
+
+class Embedding(nn.Module):
+    """Token plus position embedding: a GPT's first pipeline layer."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = tok_emb, pos_emb
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return _embed(self.tok_emb, self.pos_emb, idx)
+
+
+class Head(nn.Module):
+    """Final norm and output projection to logits: a GPT's last pipeline layer."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy of ``logits`` (batch, time, vocab) against ``targets``.
+
+    Example::
+
+        cluster.train(model=GPT, data=token_dataset, loss=lm_loss, strategy=Pipeline(), ...)
+    """
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _embed(tok_emb: nn.Embedding, pos_emb: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(idx.shape[1], device=idx.device)
+    return tok_emb(idx) + pos_emb(positions)
 
 
 def token_dataset(

@@ -7,12 +7,18 @@ from typing import Any
 from axon_nb.strategies.base import MicroStep, SingleDevice, Strategy
 from axon_nb.strategies.ddp import DDP
 from axon_nb.strategies.fsdp import FSDP
+from axon_nb.strategies.hybrid import Hybrid
+from axon_nb.strategies.pipeline import Pipeline
+from axon_nb.strategies.tensor import TensorParallel
 from axon_nb.strategies.zero import ZeRO
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDP,
     "fsdp": FSDP,
     "zero": ZeRO,
+    "pipeline": Pipeline,
+    "tensor": TensorParallel,
+    "hybrid": Hybrid,
     "single_device": SingleDevice,
 }
 """Strategies by name, for ``strategy="ddp"``."""
@@ -21,9 +27,12 @@ __all__ = [
     "DDP",
     "FSDP",
     "STRATEGIES",
+    "Hybrid",
     "MicroStep",
+    "Pipeline",
     "SingleDevice",
     "Strategy",
+    "TensorParallel",
     "ZeRO",
     "resolve_strategy",
 ]

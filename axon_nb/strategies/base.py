@@ -44,6 +44,12 @@ class MicroStep(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (through the grad scaler when fp16 is on)."""
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's autocast context (a no-op without mixed precision)."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    """The user's ``loss(output, target)``, or None when the model returns the loss."""
+
 
 class Strategy:
     """Base of all strategies; on its own it trains the model as is (one process, no wrapping).
@@ -57,6 +63,19 @@ class Strategy:
 
     def check_world(self, world_size: int) -> None:
         """Raise ``ValueError`` if the strategy cannot run on ``world_size`` ranks (kernel side)."""
+
+    def check_spec(self, spec: Any, world_size: int) -> None:
+        """Raise ``ValueError`` if the rest of a training spec does not suit this strategy
+        (kernel side; e.g. a pipeline's micro-batches must divide each rank's batch)."""
+
+    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
+        """``(index, size)`` of ``rank``'s data-parallel group: ranks with the same index read
+        the same samples (pipeline stages and tensor-parallel peers do)."""
+        return rank, world_size
+
+    def loss_share(self, rank: int, world_size: int) -> float:
+        """Weight of ``rank``'s loss in the global mean loss (0 where a rank computes none)."""
+        return 1.0 / world_size
 
     def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
         """Return the model as this rank trains it (wrapped, sharded or split)."""
@@ -135,6 +154,10 @@ class Strategy:
         set_model_state_dict(model, state["model"], options=options)
         if state["optimizer"] is not None:
             set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        """Strategy-specific figures of this rank for the metrics stream (e.g. pipeline timing)."""
+        return {}
 
     def describe(self) -> str:
         """One line for logs and results."""

@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PER_RANK_FIELDS = ("loss", "step_time_s", "comm_bytes", "comm_time_s")
-"""Step figures kept for every rank under ``history[i]["per_rank"]``."""
+PER_RANK_FIELDS = ("loss", "step_time_s", "comm_bytes", "comm_time_s", "bubble")
+"""Step figures kept for every rank under ``history[i]["per_rank"]`` (``bubble``: the
+share of a pipeline step a stage spent idle; None for other strategies)."""
 
 
 def merge_records(by_rank: Mapping[int, Mapping[int, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -35,7 +36,7 @@ def merge_records(by_rank: Mapping[int, Mapping[int, dict[str, Any]]]) -> list[d
 def _rank_field(record: dict[str, Any] | None, name: str) -> Any:
     if record is None:
         return None
-    return record["rank_loss"] if name == "loss" else record[name]
+    return record["rank_loss"] if name == "loss" else record.get(name)
 
 
 @dataclass(kw_only=True)
@@ -91,6 +92,18 @@ class TrainResult:
         (this rank's shards, at the end), ``peak_bytes`` (CUDA peak on GPU; on CPU, tracked
         tensor bytes during the call's first step), ``rss_bytes`` and on GPU the CUDA figures."""
         return [r["memory"] for r in self.ranks]
+
+    @property
+    def bubble(self) -> float | None:
+        """Pipeline runs: the mean idle share of a stage's step time over ranks and steps
+        (the first step left out), measured; None for other strategies."""
+        values = [
+            b
+            for h in self.history[1:] or self.history
+            for b in h["per_rank"]["bubble"]
+            if b is not None
+        ]
+        return sum(values) / len(values) if values else None
 
     @property
     def steps(self) -> int:

@@ -87,17 +87,21 @@ def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
 
 
 def check_world(spec: TrainSpec, world_size: int) -> None:
-    """Raise ``ValueError`` if ``spec.batch_size`` cannot be split over ``world_size`` ranks."""
-    per_step = world_size * spec.grad_accum
+    """Raise ``ValueError`` if the spec cannot run on ``world_size`` ranks (e.g. a batch that
+    does not split evenly over the data-parallel ranks)."""
+    spec.strategy.check_world(world_size)
+    _, replicas = spec.strategy.data_parallel(0, world_size)
+    per_step = replicas * spec.grad_accum
     if spec.batch_size % per_step:
         lower = max(per_step, spec.batch_size // per_step * per_step)
+        ranks = "world_size" if replicas == world_size else "data-parallel ranks"
         raise ValueError(
             f"batch_size={spec.batch_size} is the global batch per optimizer step; it must be "
-            f"divisible by world_size x grad_accum = {world_size} x {spec.grad_accum} = "
+            f"divisible by {ranks} x grad_accum = {replicas} x {spec.grad_accum} = "
             f"{per_step} so every rank gets equal micro-batches. Use e.g. batch_size={lower} "
             f"or {lower + per_step}"
         )
-    spec.strategy.check_world(world_size)
+    spec.strategy.check_spec(spec, world_size)
 
 
 def _optimizer(value: Any) -> tuple[str, dict[str, Any]] | Callable[..., Any]:

@@ -1,0 +1,228 @@
+"""``Pipeline``: pipeline parallelism (``torch.distributed.pipelining``) over all ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from axon_nb.strategies.base import MicroStep, Strategy
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from axon_nb.engine.runtime import RankContext
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pipeline(Strategy):
+    """Cut the model into stages, one per rank (or ``virtual_stages`` per rank), and run
+    micro-batches through them with a pipeline schedule.
+
+    - ``schedule``: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward,
+      one backward: fewer activations alive) or ``"interleaved_1f1b"`` (``virtual_stages``
+      stages per rank, a smaller bubble).
+    - Stages are cut from an ``nn.Sequential``'s children or a model's ``pipeline_layers()``,
+      balanced by parameter count, or at ``split_points`` (the first layer of each stage after
+      the first). For explicit stage modules, pass ``nn.Sequential(stage0, stage1, ...)`` with
+      one stage per child.
+    - The loss (``loss=`` of ``train``, required) is computed on the last stage; the global loss
+      is its mean. Each rank holds only its stages' parameters.
+
+    Example::
+
+        from axon_nb import Pipeline
+        from axon_nb.models import GPT, lm_loss
+        cluster.train(model=GPT, data=ds, loss=lm_loss, steps=100, batch_size=32,
+                      strategy=Pipeline(microbatches=8, schedule="1f1b"))
+    """
+
+    name: ClassVar[str] = "pipeline"
+
+    microbatches: int = 4
+    """Micro-batches each step's batch is split into (more: a smaller bubble)."""
+    schedule: str = "1f1b"
+    """``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``."""
+    virtual_stages: int = 1
+    """Stages per rank (``interleaved_1f1b`` needs at least 2)."""
+    split_points: tuple[int, ...] | None = None
+    """First layer index of every stage after the first, instead of balancing."""
+
+    def __post_init__(self) -> None:
+        errors = []
+        if self.schedule not in SCHEDULES:
+            errors.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not _positive(self.microbatches):
+            errors.append(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        if not _positive(self.virtual_stages):
+            errors.append(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
+        elif self.schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            errors.append(
+                "schedule='interleaved_1f1b' interleaves several stages per rank: pass "
+                "virtual_stages >= 2 (or use schedule='1f1b' for one stage per rank)"
+            )
+        elif self.schedule != "interleaved_1f1b" and self.virtual_stages != 1:
+            errors.append(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'; "
+                f"{self.schedule!r} runs one stage per rank"
+            )
+        if errors:
+            raise ValueError("invalid Pipeline options:\n  - " + "\n  - ".join(errors))
+
+    # The pipeline spans all ranks here; Hybrid reuses these methods with its own degrees.
+    def _degrees(self, world_size: int) -> Any:
+        from axon_nb.parallel.dims import ParallelDims
+
+        return ParallelDims(dp=1, tp=1, pp=world_size, world_size=world_size)
+
+    def check_spec(self, spec: Any, world_size: int) -> None:
+        if spec.loss is None:
+            raise ValueError(
+                "a pipeline computes the loss on its last stage: pass loss=loss(output, target) "
+                "(for axon_nb.models.GPT: loss=axon_nb.models.lm_loss)"
+            )
+        if spec.mixed_precision == "fp16":
+            raise ValueError(
+                "fp16 needs a gradient scaler, which pipeline schedules do not support: use "
+                "mixed_precision='bf16'"
+            )
+        dims = self._degrees(world_size)
+        micro = spec.batch_size // (dims.dp * spec.grad_accum)
+        if micro % self.microbatches:
+            options = [m for m in range(1, micro + 1) if micro % m == 0]
+            raise ValueError(
+                f"microbatches={self.microbatches} must divide the {micro} samples each pipeline "
+                f"runs per step (batch_size={spec.batch_size} / data-parallel ranks {dims.dp} / "
+                f"grad_accum={spec.grad_accum}); use one of {options}"
+            )
+
+    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
+        dims = self._degrees(world_size)
+        return dims.coords(rank)["dp"], dims.dp
+
+    def loss_share(self, rank: int, world_size: int) -> float:
+        dims = self._degrees(world_size)
+        last = dims.coords(rank)["pp"] == dims.pp - 1
+        return 1.0 / (dims.dp * dims.tp) if last else 0.0
+
+    def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
+        dims = self._degrees(ctx.world_size)
+        mesh = dims.build_mesh(ctx.device.type) if ctx.world_size > 1 else None
+        return self._pipeline(model, ctx, dims, mesh, prepare=None)
+
+    def _pipeline(
+        self, model: nn.Module, ctx: RankContext, dims: Any, mesh: Any, prepare: Any
+    ) -> nn.Module:
+        """Cut ``model``, keep this rank's stages (``prepare(model, parts)`` may split and shard
+        them further), and build the schedule over the mesh's ``pp`` axis."""
+        import torch
+
+        from axon_nb.parallel import pipeline as pp
+
+        layers = pp.pipeline_layers(model)
+        num_stages = dims.pp * self.virtual_stages
+        if self.split_points is not None:
+            starts = pp.check_starts(self.split_points, len(layers), num_stages)
+        else:
+            sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+            starts = pp.balanced_starts(sizes, num_stages)
+        bounds = [*starts, len(layers)]
+        rank_in_pipe = dims.coords(ctx.rank)["pp"]
+        mine = [s for s in range(num_stages) if s % dims.pp == rank_in_pipe]
+        owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
+        for i, layer in enumerate(layers):
+            if i not in owned:
+                layer.to("meta")  # another rank's stage: free its parameters here
+        parts: list[nn.Module] = [
+            torch.nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in mine
+        ]
+        if prepare is not None:
+            parts = prepare(model, parts)
+        wrapped = pp.PipelinedModel(model, parts, mine, num_stages)
+        group = mesh["pp"].get_group() if mesh is not None else None
+        wrapped.pp_group = group
+        wrapped.schedule = pp.build_schedule(
+            wrapped,
+            name=self.schedule,
+            microbatches=self.microbatches,
+            device=ctx.device,
+            group=group,
+        )
+        return wrapped
+
+    def forward_backward(
+        self, model: nn.Module, microbatches: Sequence[Any], step: MicroStep
+    ) -> torch.Tensor:
+        import torch
+
+        model.loss_fn = step.loss_fn  # type: ignore[assignment]
+        model.loss_scale = 1.0 / (self.microbatches * len(microbatches))  # type: ignore[assignment]
+        total = torch.zeros((), device=_device(model))
+        before = (model.forward_s, model.backward_s)  # type: ignore[attr-defined]
+        started = _now()
+        for inputs, target in microbatches:
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if model.has_first else ()  # type: ignore[attr-defined]
+            with step.autocast():
+                model.schedule.step(  # type: ignore[attr-defined,operator]
+                    *args, target=target if model.has_last else None, losses=losses
+                )
+            if losses:
+                total = total + torch.stack([loss.detach() for loss in losses]).sum()
+        wall = _now() - started
+        forward = model.forward_s - before[0]  # type: ignore[attr-defined]
+        backward = model.backward_s - before[1]  # type: ignore[attr-defined]
+        model.last_step = {  # type: ignore[assignment]
+            "forward_s": forward,
+            "backward_s": backward,
+            "bubble": max(0.0, 1.0 - (forward + backward) / wall),
+        }
+        return total
+
+    def no_sync(self, model: nn.Module) -> Any:
+        import contextlib
+
+        return contextlib.nullcontext()  # stages synchronise nothing across micro-batches
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients (summed over the pipeline ranks)."""
+        import torch.distributed as dist
+
+        from axon_nb.parallel.grads import clip_grad_norm_
+
+        group = model.pp_group if dist.is_initialized() else None  # type: ignore[attr-defined]
+        return clip_grad_norm_(model.parameters(), max_norm, group=group)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.root  # type: ignore[return-value]
+
+    def state_dict(self, model: nn.Module) -> dict[str, Any]:
+        """The whole model's parameters, gathered from every stage (a collective)."""
+        from axon_nb.parallel.pipeline import gather_state
+
+        return gather_state(model)  # type: ignore[arg-type]
+
+    def report(self, model: nn.Module) -> dict[str, Any]:
+        return dict(getattr(model, "last_step", {}))
+
+    def get_state(self, model: nn.Module, optimizer: Any, *, full: bool) -> dict[str, Any]:
+        raise NotImplementedError(
+            "checkpoints of pipelined runs are not supported yet: save with DDP/FSDP/ZeRO"
+        )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _device(model: nn.Module) -> Any:
+    return next(model.parameters()).device
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
