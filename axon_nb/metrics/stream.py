@@ -35,6 +35,9 @@ Schema ``axon_nb.metrics/1`` (all sizes in bytes, all times in seconds)::
           "samples_per_s": float,      # samples / step_time_s
           "comm": {kind: {"bytes", "time_s", "count"}},      # this rank, this step
           "comm_bytes": int, "comm_time_s": float,           # sums over kinds
+          # pipeline strategies only (Strategy.report), this rank's stages in this step:
+          "forward_s": float, "backward_s": float,  # time computing forward / backward chunks
+          "bubble": float,       # 1 - (forward_s + backward_s) / schedule wall time
         }, ...
       ],
     }
