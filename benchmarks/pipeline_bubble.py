@@ -7,6 +7,9 @@ and 1F1B with m micro-batches, and (p-1)/(v*m+p-1) for interleaved 1F1B with v s
 rank. The last line is the worst measured/formula ratio (1.0 is the ideal; communication and
 Python overhead push it up, and ranks sharing CPU cores distort it).
 
+Each micro-batch holds ``--micro-size`` samples whatever m is, so the work per micro-batch (and
+the fixed cost of sending it) stays the same as m grows.
+
     python benchmarks/pipeline_bubble.py [--stages 2 4] [--microbatches 4 8 16] [--steps 4]
 """
 
@@ -31,7 +34,8 @@ def main() -> None:
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--micro-size", type=int, default=8)
     args = parser.parse_args()
 
     worst = 1.0  # the ratio farthest from 1
@@ -43,13 +47,13 @@ def main() -> None:
             data=token_dataset,
             loss=lm_loss,
             steps=args.steps,
-            batch_size=max(args.microbatches) * 2,
         )
         with axon_nb.Cluster(n=p, timeout=120) as cluster:
             for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
                 for m in args.microbatches:
                     strategy = Pipeline(schedule=schedule, microbatches=m, virtual_stages=v)
-                    result = cluster.train(**train, strategy=strategy)
+                    batch = m * args.micro_size
+                    result = cluster.train(**train, batch_size=batch, strategy=strategy)
                     expected = formula(p, m, v)
                     ratio = result.bubble / expected
                     worst = max(worst, ratio, key=lambda r: abs(r - 1))

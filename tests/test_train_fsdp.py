@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from equivalence import check_equal, full_params
 
 import axon_nb
 from axon_nb import DDP, FSDP, ZeRO
@@ -41,23 +42,9 @@ def reference() -> axon_nb.TrainResult:
     return axon_nb.train_local(**ARGS)
 
 
-def _full_params() -> dict[str, torch.Tensor]:
-    from axon_nb.engine import trainstate
-
-    state = trainstate.get("model")
-    full = state.strategy.state_dict(state.model)  # a collective: gathers the shards
-    return {k: v.detach().cpu().clone() for k, v in full.items()}
-
-
 def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -> Any:
-    result = cluster.train(**{**ARGS, **changes})
-    assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < LOSS_TOL
-    params = cluster.run(_full_params, stream=False)
-    for k, v in ref.model.state_dict().items():
-        assert params[0][k].shape == v.shape
-        assert (params[0][k] - v).abs().max().item() < PARAM_TOL, k
-        assert all(torch.equal(params[0][k], other[k]) for other in params[1:])
-    return result
+    args = {**ARGS, **changes}
+    return check_equal(cluster, ref, args, loss_tol=LOSS_TOL, param_tol=PARAM_TOL)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +92,7 @@ def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(
     result = cluster.train(**ARGS, strategy=FSDP(param_dtype="bf16", reduce_dtype="fp32"))
     gap = max(abs(a - b) for a, b in zip(result.losses, reference.losses, strict=True))
     assert LOSS_TOL < gap < 1e-2  # bf16 compute: close to, but not exactly, the fp32 run
-    params = cluster.run(_full_params, stream=False)[0]
+    params = cluster.run(full_params, stream=False)[0]
     assert all(v.dtype == torch.float32 for v in params.values())
     assert result.memory[0]["param_bytes"] == reference.memory[0]["param_bytes"] // 2
 

@@ -1,0 +1,39 @@
+"""The check every strategy test makes: a distributed run equals the one-process reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import axon_nb
+
+
+def full_params() -> dict[str, torch.Tensor]:
+    """(On every rank) the run ``model``'s whole parameters, gathered by its strategy."""
+    from axon_nb.engine import trainstate
+
+    state = trainstate.get("model")
+    full = state.strategy.state_dict(state.model)  # a collective: gathers shards and stages
+    return {k: v.detach().cpu().clone() for k, v in full.items()}
+
+
+def check_equal(
+    cluster: axon_nb.Cluster,
+    ref: axon_nb.TrainResult,
+    args: dict[str, Any],
+    *,
+    loss_tol: float,
+    param_tol: float,
+) -> axon_nb.TrainResult:
+    """Train ``args`` on ``cluster``; its losses and gathered parameters must match ``ref``'s
+    within the tolerances, and be identical on every rank."""
+    result = cluster.train(**args)
+    gap = max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True))
+    assert gap < loss_tol, gap
+    params = cluster.run(full_params, stream=False)
+    for k, v in ref.model.state_dict().items():
+        assert params[0][k].shape == v.shape, k
+        assert (params[0][k] - v).abs().max().item() < param_tol, k
+        assert all(torch.equal(params[0][k], other[k]) for other in params[1:]), k
+    return result
