@@ -172,6 +172,8 @@ def test_zero1_shards_only_the_optimizer_state(
         assert rank["memory"]["param_bytes"] == rank["memory"]["grad_bytes"] == 4 * psi
         assert rank["memory"]["optimizer_bytes"] == pytest.approx(4 * psi, rel=0.05)
     assert "broadcast" in result.ranks[0]["comm_totals"]  # updated shards go to the others
+    with pytest.raises(ValueError, match="ZeRO stage 2 with fp16"):
+        cluster.train(**ARGS, strategy=ZeRO(stage=2), mixed_precision="fp16")
     with pytest.raises(ValueError, match="ZeRO stage must be 1, 2 or 3"):
         ZeRO(stage=4)
 

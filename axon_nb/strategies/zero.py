@@ -51,6 +51,14 @@ class ZeRO(DDP):
             )
         DDP.__post_init__(self)
 
+    def check_spec(self, spec: Any, world_size: int) -> None:
+        if self.stage == 2 and spec.mixed_precision == "fp16":
+            raise ValueError(
+                "ZeRO stage 2 with fp16: the gradient scaler would see only this rank's shard "
+                "of the gradients, so ranks could disagree on skipping a step. Use "
+                "mixed_precision='bf16' (no scaler), or stage 1 or 3"
+            )
+
     def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
         if self.stage == 3:
             return FSDP(sharding="full_shard").parallelize(model, ctx)
