@@ -202,6 +202,8 @@ def test_bad_model_parallel_input(cluster: axon_nb.Cluster, cluster4: axon_nb.Cl
         Pipeline(schedule="interleaved_1f1b", virtual_stages=1)
     with pytest.raises(ValueError, match=r"microbatches=3 must divide the 32 samples.*\[1, 2, 4"):
         cluster.train(**ARGS, strategy=Pipeline(microbatches=3))
+    with pytest.raises(ValueError, match=r"num_stages must be 2\. Start 3 ranks"):
+        cluster.train(**ARGS, strategy=Pipeline(num_stages=3))
     with pytest.raises(ValueError, match="pass loss=loss"):
         cluster.train(**{**ARGS, "loss": None}, strategy=Pipeline())
     with pytest.raises(ValueError, match=r"dp=2 x tp=3 x pp=1 = 6, but there are 4 ranks"):

@@ -42,6 +42,8 @@ class Pipeline(Strategy):
 
     name: ClassVar[str] = "pipeline"
 
+    num_stages: int | None = None
+    """Total stages; it must be ranks x ``virtual_stages`` (the default)."""
     microbatches: int = 4
     """Micro-batches each step's batch is split into (more: a smaller bubble)."""
     schedule: str = "1f1b"
@@ -77,6 +79,16 @@ class Pipeline(Strategy):
         from axon_nb.parallel.dims import ParallelDims
 
         return ParallelDims(dp=1, tp=1, pp=world_size, world_size=world_size)
+
+    def check_world(self, world_size: int) -> None:
+        expected = world_size * self.virtual_stages
+        if self.num_stages is not None and self.num_stages != expected:
+            ranks = max(1, self.num_stages // self.virtual_stages)
+            raise ValueError(
+                f"Pipeline(num_stages={self.num_stages}) on {world_size} ranks with "
+                f"virtual_stages={self.virtual_stages}: each rank runs virtual_stages stages, so "
+                f"num_stages must be {expected}. Start {ranks} ranks, or change virtual_stages"
+            )
 
     def check_spec(self, spec: Any, world_size: int) -> None:
         if spec.loss is None:
