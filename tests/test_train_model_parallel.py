@@ -67,6 +67,7 @@ def test_pipeline_on_two_stages_equals_one_process(
     last = result.history[-1]
     assert last["forward_s"] > 0 and last["backward_s"] > 0
     assert all(0 <= b < 1 for b in last["per_rank"]["bubble"])
+    assert last["per_rank"]["loss"][0] is None and last["per_rank"]["loss"][1] is not None
 
 
 @pytest.mark.parametrize("strategy", SCHEDULES, ids=lambda s: s.schedule)

@@ -256,6 +256,8 @@ class _Loop:
         self.micro = _MicroStep(spec, ctx, state.scaler)
         self.stopped = False
         self.memory: dict[str, int] = {}
+        self.computes_loss = spec.strategy.loss_share(ctx.rank, ctx.world_size) > 0
+        """False on ranks that compute no loss (a pipeline's earlier stages)."""
         self.peak_bytes: int | None = None
         """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
         self.started = time.monotonic()
@@ -299,7 +301,7 @@ class _Loop:
             {
                 "step": state.step,
                 "loss": global_loss,
-                "rank_loss": float(loss),
+                "rank_loss": float(loss) if self.computes_loss else None,
                 "lr": lr,
                 "grad_norm": norm,
                 "samples": spec.batch_size,

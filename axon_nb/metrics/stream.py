@@ -27,7 +27,8 @@ Schema ``axon_nb.metrics/1`` (all sizes in bytes, all times in seconds)::
         {
           "step": int,           # global step number (1-based) this record ends
           "loss": float,         # mean loss over the global batch (same on every rank)
-          "rank_loss": float,    # this rank's mean loss over its micro-batches
+          "rank_loss": float | None,   # this rank's mean loss over its micro-batches (None
+                                       # where it computes none: earlier pipeline stages)
           "lr": float,           # learning rate used by the step
           "grad_norm": float | None,   # global grad norm before clipping (when clipping)
           "samples": int,        # global samples in the step

@@ -22,6 +22,8 @@ def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:
     if result.history and len(result.ranks) > 1:
         for rank in range(len(result.ranks)):
             per_rank = [h["per_rank"]["loss"][rank] for h in result.history]
+            if all(value is None for value in per_rank):
+                continue  # a rank that computes no loss (an earlier pipeline stage)
             loss_ax.plot(steps, per_rank, linewidth=0.8, alpha=0.6, label=f"rank {rank}")
     loss_ax.set(title=f"{result.name}: loss", xlabel="step")
     loss_ax.legend(fontsize=7)
