@@ -128,6 +128,47 @@ class PipelinedModel(nn.Module):
         )
 
 
+def apply_pipeline(
+    model: nn.Module,
+    *,
+    pp_index: int,
+    pp_size: int,
+    virtual_stages: int,
+    split_points: Sequence[int] | None,
+    schedule: str,
+    microbatches: int,
+    device: torch.device,
+    group: Any,
+    prepare: Callable[[nn.Module, list[nn.Module]], list[nn.Module]] | None = None,
+) -> PipelinedModel:
+    """Cut ``model`` into ``pp_size x virtual_stages`` stages and keep pipeline rank
+    ``pp_index``'s, with their schedule over ``group``. ``prepare(model, parts)`` may split or
+    shard the kept stages further (tensor and data parallelism) before they are wrapped."""
+    layers = pipeline_layers(model)
+    num_stages = pp_size * virtual_stages
+    if split_points is not None:
+        starts = check_starts(split_points, len(layers), num_stages)
+    else:
+        starts = balanced_starts(
+            [sum(p.numel() for p in m.parameters()) for m in layers], num_stages
+        )
+    bounds = [*starts, len(layers)]
+    mine = [s for s in range(num_stages) if s % pp_size == pp_index]
+    owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
+    for i, layer in enumerate(layers):
+        if i not in owned:
+            layer.to("meta")  # another rank's stage: free its parameters here
+    parts: list[nn.Module] = [nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in mine]
+    if prepare is not None:
+        parts = prepare(model, parts)
+    wrapped = PipelinedModel(model, parts, mine, num_stages)
+    wrapped.pp_group = group
+    wrapped.schedule = build_schedule(
+        wrapped, name=schedule, microbatches=microbatches, device=device, group=group
+    )
+    return wrapped
+
+
 def build_schedule(
     model: PipelinedModel,
     *,

@@ -128,42 +128,21 @@ class Pipeline(Strategy):
     def _pipeline(
         self, model: nn.Module, ctx: RankContext, dims: Any, mesh: Any, prepare: Any
     ) -> nn.Module:
-        """Cut ``model``, keep this rank's stages (``prepare(model, parts)`` may split and shard
-        them further), and build the schedule over the mesh's ``pp`` axis."""
-        import torch
+        """This rank's stages of ``model`` over the mesh's ``pp`` axis (see ``apply_pipeline``)."""
+        from axon_nb.parallel.pipeline import apply_pipeline
 
-        from axon_nb.parallel import pipeline as pp
-
-        layers = pp.pipeline_layers(model)
-        num_stages = dims.pp * self.virtual_stages
-        if self.split_points is not None:
-            starts = pp.check_starts(self.split_points, len(layers), num_stages)
-        else:
-            sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-            starts = pp.balanced_starts(sizes, num_stages)
-        bounds = [*starts, len(layers)]
-        rank_in_pipe = dims.coords(ctx.rank)["pp"]
-        mine = [s for s in range(num_stages) if s % dims.pp == rank_in_pipe]
-        owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
-        for i, layer in enumerate(layers):
-            if i not in owned:
-                layer.to("meta")  # another rank's stage: free its parameters here
-        parts: list[nn.Module] = [
-            torch.nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in mine
-        ]
-        if prepare is not None:
-            parts = prepare(model, parts)
-        wrapped = pp.PipelinedModel(model, parts, mine, num_stages)
-        group = mesh["pp"].get_group() if mesh is not None else None
-        wrapped.pp_group = group
-        wrapped.schedule = pp.build_schedule(
-            wrapped,
-            name=self.schedule,
+        return apply_pipeline(
+            model,
+            pp_index=dims.coords(ctx.rank)["pp"],
+            pp_size=dims.pp,
+            virtual_stages=self.virtual_stages,
+            split_points=self.split_points,
+            schedule=self.schedule,
             microbatches=self.microbatches,
             device=ctx.device,
-            group=group,
+            group=mesh["pp"].get_group() if mesh is not None else None,
+            prepare=prepare,
         )
-        return wrapped
 
     def forward_backward(
         self, model: nn.Module, microbatches: Sequence[Any], step: MicroStep
