@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import axon_nb
-from axon_nb import DDP, FSDP, ZeRO
+from axon_nb import DDP, FSDP, TensorParallel, ZeRO
 from axon_nb.checkpoint import MARKER, Checkpoint
 from axon_nb.models import GPT, GPTConfig, token_dataset
 
@@ -68,9 +68,11 @@ def _train(cluster: axon_nb.Cluster, strategy: Any, steps: int, name: str, **kw:
         (ZeRO(stage=1), "full"),
         (ZeRO(stage=2), "sharded"),
         (DDP(), "sharded"),
+        (TensorParallel(), "sharded"),
+        (TensorParallel(sequence_parallel=True), "full"),
     ],
     ids=["fsdp-sharded", "fsdp-full", "shard_grad_op-sharded", "zero1-full", "zero2-sharded",
-         "ddp-sharded"],
+         "ddp-sharded", "tp-sharded", "tp+sp-full"],
 )  # fmt: skip
 def test_save_load_continue_equals_an_uninterrupted_run(
     cluster: axon_nb.Cluster, tmp_path: Path, strategy: Any, kind: str
