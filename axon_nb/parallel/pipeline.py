@@ -233,3 +233,78 @@ def gather_state(model: PipelinedModel) -> dict[str, torch.Tensor]:
     for part in everyone:
         merged.update(part)
     return {k: merged[k] for k in model.root.state_dict() if k in merged}
+
+
+def gather_optimizer_state(
+    model: PipelinedModel, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Every stage's optimizer state, unsharded and keyed by parameter name, on every rank
+    (a collective), in the layout of an unsplit model's optimizer."""
+    if len(optimizer.param_groups) != 1:
+        raise NotImplementedError(
+            "checkpoints of pipelined runs support one optimizer parameter group; this "
+            f"optimizer has {len(optimizer.param_groups)}"
+        )
+    names = {id(p): n for n, p in model.root.named_parameters()}
+    mine = {
+        names[id(p)]: {k: _full(v) for k, v in entry.items()}
+        for p, entry in optimizer.state.items()
+    }
+    everyone: list[Any] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    state: dict[str, Any] = {}
+    for part in everyone:
+        state.update(part)
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return {"state": state, "param_groups": [{**group, "params": list(names.values())}]}
+
+
+def load_full_state(
+    model: PipelinedModel, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load unsharded, named model (and optimizer, unless None) state into this rank's stages,
+    sharding it like the stages' own (DTensor) parameters."""
+    owned = {id(t) for part in model.parts for t in [*part.parameters(), *part.buffers()]}
+    with torch.no_grad():
+        for name, tensor in model.root.state_dict(keep_vars=True).items():
+            if id(tensor) in owned:
+                tensor.copy_(_like(tensor, state["model"][name]))
+    if state["optimizer"] is None:
+        return
+    names = {id(p): n for n, p in model.root.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved = state["optimizer"]["state"]
+    local = {
+        i: {k: _like(p, v) if _is_per_element(p, v) else v for k, v in saved[names[id(p)]].items()}
+        for i, p in enumerate(params)
+        if names[id(p)] in saved
+    }
+    group = {k: v for k, v in state["optimizer"]["param_groups"][0].items() if k != "params"}
+    optimizer.load_state_dict(
+        {"state": local, "param_groups": [{**group, "params": list(range(len(params)))}]}
+    )
+
+
+def _full(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    value = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return value.detach().cpu().clone()
+
+
+def _is_per_element(param: torch.Tensor, value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out like ``param``: sharded the same way when ``param`` is a DTensor."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        local = param.to_local()  # type: ignore[attr-defined]
+        return distribute_tensor(
+            full.to(local.device, local.dtype), param.device_mesh, param.placements
+        )
+    return full.to(param.device, param.dtype)

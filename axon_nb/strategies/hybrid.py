@@ -145,6 +145,11 @@ class Hybrid(Strategy):
             return self._pipeline_config().get_state(model, optimizer, full=full)
         return Strategy.get_state(self, model, optimizer, full=full)
 
+    def set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+        if self.pp > 1:
+            return self._pipeline_config().set_state(model, optimizer, state)
+        return Strategy.set_state(self, model, optimizer, state)
+
 
 def _inside(module: nn.Module, part: nn.Module) -> bool:
     return any(module is m for m in part.modules())

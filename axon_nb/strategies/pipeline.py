@@ -200,9 +200,19 @@ class Pipeline(Strategy):
         return dict(getattr(model, "last_step", {}))
 
     def get_state(self, model: nn.Module, optimizer: Any, *, full: bool) -> dict[str, Any]:
-        raise NotImplementedError(
-            "checkpoints of pipelined runs are not supported yet: save with DDP/FSDP/ZeRO"
-        )
+        """Unsharded, named model and optimizer state on every rank, whatever ``full`` says:
+        a checkpoint of a pipeline loads into any cut (or any other strategy)."""
+        from axon_nb.parallel.pipeline import gather_optimizer_state, gather_state
+
+        return {
+            "model": gather_state(model),  # type: ignore[arg-type]
+            "optimizer": gather_optimizer_state(model, optimizer),  # type: ignore[arg-type]
+        }
+
+    def set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
+        from axon_nb.parallel.pipeline import load_full_state
+
+        load_full_state(model, optimizer, state)  # type: ignore[arg-type]
 
 
 def _positive(value: Any) -> bool:

@@ -199,8 +199,8 @@ class TrainHandle:
             print(line)
 
     def _progress_line(self) -> str | None:
-        if len(self._latest) < len(self._targets):
-            return None
+        if len(self._latest) < len(self._targets) or not self._spec.steps:
+            return None  # (steps=0 builds the run and trains nothing: no progress to show)
         done = min(m["step"] - m["start_step"] for m in self._latest.values())
         tenth = done * 10 // self._spec.steps
         first = self._targets[0]
