@@ -22,8 +22,16 @@ def _run(kc, code: str, timeout: float = 120) -> tuple[str, str]:
             text.append(msg["content"]["text"])
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-    reply = kc.get_shell_msg(timeout=timeout)
-    return reply["content"]["status"], "".join(text)
+    return _reply(kc, msg_id, timeout)["content"]["status"], "".join(text)
+
+
+def _reply(kc, msg_id: str, timeout: float) -> dict:
+    """The shell reply to ``msg_id`` (skipping replies to earlier requests, such as the
+    kernel_info request made while the kernel started)."""
+    while True:
+        reply = kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply
 
 
 def test_kernel_interrupt_stops_the_ranks_and_keeps_the_cluster() -> None:
@@ -34,8 +42,7 @@ def test_kernel_interrupt_stops_the_ranks_and_keeps_the_cluster() -> None:
         msg_id = kc.execute(loop)
         time.sleep(3)
         km.interrupt_kernel()
-        reply = kc.get_shell_msg(timeout=60)
-        assert reply["parent_header"]["msg_id"] == msg_id
+        reply = _reply(kc, msg_id, timeout=60)
         assert reply["content"]["status"] == "error"
         assert reply["content"]["ename"] == "KeyboardInterrupt"
         status, text = _run(kc, "%%axon\nt = torch.ones(1)\ndist.all_reduce(t)\nprint(t.item())")
