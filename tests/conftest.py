@@ -18,6 +18,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("P
 
 
 @pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    """Two MPI ranks on gloo, shared by a module's tests (a module may define its own)."""
+    with axon_nb.Cluster(n=2, timeout=60) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
 def cluster4() -> Iterator[axon_nb.Cluster]:
     """Four MPI ranks on gloo, shared by a module's tests."""
     with axon_nb.Cluster(n=4, timeout=60) as cluster:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +28,6 @@ ARGS: dict[str, Any] = dict(
     seed=0,
 )
 LOSS_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=60) as c:
-        yield c
 
 
 def _state(name: str) -> dict[str, Any]:

@@ -6,7 +6,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -23,12 +22,6 @@ ARGS: dict[str, Any] = dict(
 )
 LONG = 1_000_000
 """Steps for runs that are stopped long before they end."""
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=60) as c:
-        yield c
 
 
 def _state(name: str = "model") -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,12 +28,6 @@ PARAM_TOL = 5e-4
 """AdamW divides by the root of tiny second moments, so summation-order differences in
 near-zero gradients move some parameters by up to ~1e-4 after 20 steps (DDP on this model
 shows the same); losses agree to ~5e-7."""
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

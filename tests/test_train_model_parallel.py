@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,12 +28,6 @@ ARGS: dict[str, Any] = dict(
 )
 LOSS_TOL = 1e-5
 PARAM_TOL = 5e-4  # as for FSDP: AdamW magnifies summation-order differences in tiny gradients
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

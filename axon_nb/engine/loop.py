@@ -256,8 +256,8 @@ class _Loop:
         self.micro = _MicroStep(spec, ctx, state.scaler)
         self.stopped = False
         self.memory: dict[str, int] = {}
-        self.computes_loss = spec.strategy.loss_share(ctx.rank, ctx.world_size) > 0
-        """False on ranks that compute no loss (a pipeline's earlier stages)."""
+        self.loss_share = spec.strategy.loss_share(ctx.rank, ctx.world_size)
+        """Weight of this rank's loss in the global mean; 0 on a pipeline's earlier stages."""
         self.peak_bytes: int | None = None
         """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
         self.started = time.monotonic()
@@ -301,7 +301,7 @@ class _Loop:
             {
                 "step": state.step,
                 "loss": global_loss,
-                "rank_loss": float(loss) if self.computes_loss else None,
+                "rank_loss": float(loss) if self.loss_share else None,
                 "lr": lr,
                 "grad_norm": norm,
                 "samples": spec.batch_size,
@@ -339,8 +339,9 @@ class _Loop:
         """
         if self.ctx.world_size == 1:
             return float(loss), stop
-        share = self.spec.strategy.loss_share(self.ctx.rank, self.ctx.world_size)
-        both = torch.stack([loss.float() * share, torch.tensor(float(stop), device=loss.device)])
+        both = torch.stack(
+            [loss.float() * self.loss_share, torch.tensor(float(stop), device=loss.device)]
+        )
         dist.all_reduce(both)
         total, stops = both.tolist()
         return total, stops > 0

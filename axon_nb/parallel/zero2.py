@@ -141,14 +141,10 @@ class GradShardedModel(nn.Module):
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the global gradient norm over all ranks' shards; returns the norm."""
-        grads = [b.shard.grad for b in self.buckets if b.shard.grad is not None]
-        squares = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        dist.all_reduce(squares)
-        norm = squares.sqrt()
-        scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
-        return norm
+        from axon_nb.parallel.grads import clip_grad_norm_
+
+        shards = [b.shard for b in self.buckets]
+        return clip_grad_norm_(shards, max_norm, group=dist.group.WORLD)
 
     def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer state per parameter name (as for an unsharded model), on every rank."""

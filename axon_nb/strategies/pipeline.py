@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -153,7 +154,7 @@ class Pipeline(Strategy):
         model.loss_scale = 1.0 / (self.microbatches * len(microbatches))  # type: ignore[assignment]
         total = torch.zeros((), device=_device(model))
         before = (model.forward_s, model.backward_s)  # type: ignore[attr-defined]
-        started = _now()
+        started = time.perf_counter()
         for inputs, target in microbatches:
             losses: list[torch.Tensor] = []
             args = (inputs,) if model.has_first else ()  # type: ignore[attr-defined]
@@ -163,7 +164,7 @@ class Pipeline(Strategy):
                 )
             if losses:
                 total = total + torch.stack([loss.detach() for loss in losses]).sum()
-        wall = _now() - started
+        wall = time.perf_counter() - started
         forward = model.forward_s - before[0]  # type: ignore[attr-defined]
         backward = model.backward_s - before[1]  # type: ignore[attr-defined]
         model.last_step = {  # type: ignore[assignment]
@@ -180,11 +181,10 @@ class Pipeline(Strategy):
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         """Clip by the norm over every stage's gradients (summed over the pipeline ranks)."""
-        import torch.distributed as dist
-
         from axon_nb.parallel.grads import clip_grad_norm_
 
-        group = model.pp_group if dist.is_initialized() else None  # type: ignore[attr-defined]
+        # The pipeline's process group; None on one rank, where there is nothing to sum.
+        group = model.pp_group  # type: ignore[attr-defined]
         return clip_grad_norm_(model.parameters(), max_norm, group=group)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
@@ -221,9 +221,3 @@ def _positive(value: Any) -> bool:
 
 def _device(model: nn.Module) -> Any:
     return next(model.parameters()).device
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
