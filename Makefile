@@ -38,6 +38,7 @@ bench: install
 	$(BIN)/python benchmarks/launch_overhead.py
 	$(BIN)/python benchmarks/dashboard_overhead.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/cell_latency.py
 
 clean:
 	rm -rf $(VENV) build

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from axon_nb import estimate
 from axon_nb.checkpoint import Checkpoint
 from axon_nb.cluster import Cluster, ClusterOptions
 from axon_nb.errors import (
@@ -62,6 +63,7 @@ __all__ = [
     "TrainResult",
     "ZeRO",
     "current_cluster",
+    "estimate",
     "load_ipython_extension",
     "train_local",
     "unload_ipython_extension",

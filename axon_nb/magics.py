@@ -15,8 +15,8 @@ from IPython.display import publish_display_data
 from axon_nb.cluster import Cluster
 from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus
 from axon_nb.cluster.waiting import RankStreams
-from axon_nb.engine.placement import BACKENDS
 from axon_nb.errors import NoClusterError
+from axon_nb.rank.placement import BACKENDS
 
 
 @magics_class
@@ -101,14 +101,14 @@ class AxonMagics(Magics):
 
             In [2]: %axon_status
         """
-        from axon_nb.cluster.cluster import _in_notebook
-        from axon_nb.engine.status import rank_status
+        from axon_nb.rank.entry import rank_status
+        from axon_nb.widgets.frontend import in_notebook
         from axon_nb.widgets.status import status_text, status_widget
 
         if line.strip():
             raise UsageError("%axon_status takes no arguments")
         rows = self._require_cluster().run(rank_status, stream=False)
-        if _in_notebook():
+        if in_notebook():
             from IPython.display import display
 
             display(status_widget(rows))

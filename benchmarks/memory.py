@@ -2,7 +2,7 @@
 
 Trains a GPT of a few million parameters for a few steps with DDP, ZeRO-1/2/3 and each FSDP
 mode (fp32 AdamW), reads each rank's parameter, gradient and optimizer-state bytes from the
-run's result, and prints them beside ``axon_nb.memory.estimate``. The last line is the worst
+run's result, and prints them beside ``axon_nb.estimate.memory``. The last line is the worst
 measured/expected ratio over ranks and strategies (target: within 0.95-1.05).
 
     python benchmarks/memory.py [--ranks 4] [--layers 4] [--width 256]
@@ -16,8 +16,7 @@ import os
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # CPU ranks (gloo), also on a GPU host
 
 import axon_nb
-from axon_nb import DDP, FSDP, ZeRO
-from axon_nb.memory import estimate
+from axon_nb import DDP, FSDP, ZeRO, estimate
 from axon_nb.models import GPT, GPTConfig, token_dataset
 
 STRATEGIES = [
@@ -53,7 +52,7 @@ def main() -> None:
                 batch_size=4 * args.ranks,
                 metrics_interval_s=0,
             )
-            expected = estimate(num_params, strategy, args.ranks)["total"]
+            expected = estimate.memory(num_params, strategy, args.ranks)["total"]
             measured = [
                 sum(r["memory"][k] for k in ("param_bytes", "grad_bytes", "optimizer_bytes"))
                 for r in result.ranks

@@ -11,10 +11,10 @@ import axon_nb
 
 def full_params() -> dict[str, torch.Tensor]:
     """(On every rank) the run ``model``'s whole parameters, gathered by its strategy."""
-    from axon_nb.engine import trainstate
+    from axon_nb.rank import trainstate
 
     state = trainstate.get("model")
-    full = state.strategy.state_dict(state.model)  # a collective: gathers shards and stages
+    full = state.parallel.full_state_dict()  # a collective: gathers shards and stages
     return {k: v.detach().cpu().clone() for k, v in full.items()}
 
 

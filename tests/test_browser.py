@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from axon_nb.engine.bootstrap import free_port
+from axon_nb.rank.bootstrap import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "build" / "test-artifacts"

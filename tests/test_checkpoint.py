@@ -14,7 +14,7 @@ import torch
 
 import axon_nb
 from axon_nb import DDP, FSDP, Hybrid, Pipeline, TensorParallel, ZeRO
-from axon_nb.checkpoint import MARKER, Checkpoint
+from axon_nb.checkpoint.format import MARKER, Checkpoint
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -32,10 +32,10 @@ LOSS_TOL = 1e-5
 
 def _state(name: str) -> dict[str, Any]:
     """Run ``name``'s full model and optimizer state, gathered (rank 0's copy is complete)."""
-    from axon_nb.engine import trainstate
+    from axon_nb.rank import trainstate
 
     state = trainstate.get(name)
-    return {"step": state.step, **state.strategy.get_state(state.model, state.optimizer, full=True)}
+    return {"step": state.step, **state.parallel.get_state(state.optimizer, full=True)}
 
 
 def _assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -137,20 +137,20 @@ def test_checkpoints_load_on_another_world_size(
 
 def _fail_before_marker() -> None:
     """Make this rank's next save die after every part is written, before the marker."""
-    from axon_nb.engine import checkpoint
+    from axon_nb.rank import checkpoint_io
 
     def crash(*args: Any) -> None:
         raise OSError("disk full (injected)")
 
-    checkpoint._complete = crash
+    checkpoint_io._complete = crash
 
 
 def _restore_complete() -> None:
     import importlib
 
-    from axon_nb.engine import checkpoint
+    from axon_nb.rank import checkpoint_io
 
-    checkpoint._complete = importlib.reload(checkpoint)._complete
+    checkpoint_io._complete = importlib.reload(checkpoint_io)._complete
 
 
 def test_an_interrupted_write_is_never_taken_for_complete(
@@ -181,10 +181,10 @@ def test_an_interrupted_write_is_never_taken_for_complete(
 
 
 def _params(name: str) -> dict[str, torch.Tensor]:
-    from axon_nb.engine import trainstate
+    from axon_nb.rank import trainstate
 
     state = trainstate.get(name)
-    return {k: v.detach().clone() for k, v in state.strategy.state_dict(state.model).items()}
+    return {k: v.detach().clone() for k, v in state.parallel.full_state_dict().items()}
 
 
 def test_bad_checkpoint_input_changes_nothing(cluster: axon_nb.Cluster, tmp_path: Path) -> None:

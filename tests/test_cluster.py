@@ -20,7 +20,7 @@ def _world() -> dict:
     import torch
     import torch.distributed as dist
 
-    from axon_nb.engine.runtime import context
+    from axon_nb.rank.runtime import context
 
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)

@@ -38,7 +38,7 @@ def cluster() -> Iterator[axon_nb.Cluster]:
 
 
 def _rank_params() -> dict[str, torch.Tensor]:
-    from axon_nb.engine import trainstate
+    from axon_nb.rank import trainstate
 
     return {k: v.detach().cpu() for k, v in trainstate.get("model").module.state_dict().items()}
 
@@ -63,7 +63,7 @@ def test_ddp_on_nccl_matches_one_process_on_the_gpu(cluster: axon_nb.Cluster, ho
 
 
 def test_status_reports_gpu_memory(cluster: axon_nb.Cluster) -> None:
-    from axon_nb.engine.status import rank_status
+    from axon_nb.rank.rank_status import rank_status
     from axon_nb.widgets.status import status_text
 
     rows = cluster.run(rank_status, stream=False)

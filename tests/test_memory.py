@@ -1,11 +1,10 @@
-"""The ZeRO paper's per-rank model-state formulas (Table 1), as ``memory.estimate`` gives them."""
+"""The ZeRO paper's per-rank model-state formulas (Table 1), as ``estimate.memory`` gives them."""
 
 from __future__ import annotations
 
 import pytest
 
-from axon_nb import DDP, FSDP, ZeRO
-from axon_nb.memory import estimate
+from axon_nb import DDP, FSDP, ZeRO, estimate
 
 PSI, N = 1_000_000, 4
 
@@ -23,7 +22,7 @@ PSI, N = 1_000_000, 4
     ],
 )
 def test_formulas(strategy: object, mixed: bool, total: float) -> None:
-    figures = estimate(PSI, strategy, N, mixed_precision=mixed)
+    figures = estimate.memory(PSI, strategy, N, mixed_precision=mixed)
     assert figures["total"] == pytest.approx(total)
     assert figures["total"] == pytest.approx(
         figures["params"] + figures["grads"] + figures["optimizer"]
@@ -31,12 +30,12 @@ def test_formulas(strategy: object, mixed: bool, total: float) -> None:
 
 
 def test_sharding_orders_the_strategies() -> None:
-    totals = [estimate(PSI, s, N)["total"] for s in (DDP(), ZeRO(stage=1), ZeRO(stage=3))]
+    totals = [estimate.memory(PSI, s, N)["total"] for s in (DDP(), ZeRO(stage=1), ZeRO(stage=3))]
     assert totals == sorted(totals, reverse=True)
 
 
 def test_unknown_strategy_and_bad_sizes_are_refused() -> None:
     with pytest.raises(ValueError, match="no memory formula"):
-        estimate(PSI, "pipeline", N)
+        estimate.memory(PSI, "pipeline", N)
     with pytest.raises(TypeError, match="model or a parameter count"):
-        estimate("big", DDP(), N)
+        estimate.memory("big", DDP(), N)

@@ -9,8 +9,7 @@ import torch
 from equivalence import check_equal, full_params
 
 import axon_nb
-from axon_nb import DDP, FSDP, ZeRO
-from axon_nb.memory import estimate
+from axon_nb import DDP, FSDP, ZeRO, estimate
 from axon_nb.models import GPT, GPTConfig, token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -147,7 +146,7 @@ def test_measured_model_state_matches_the_zero_formulas(
     cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
 ) -> None:
     result = _check(cluster, reference, strategy=strategy)
-    expected = estimate(reference.model, strategy, world_size=2)
+    expected = estimate.memory(reference.model, strategy, world_size=2)
     for rank in result.ranks:
         memory = rank["memory"]
         measured = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
@@ -165,8 +164,6 @@ def test_zero1_shards_only_the_optimizer_state(
         assert rank["memory"]["param_bytes"] == rank["memory"]["grad_bytes"] == 4 * psi
         assert rank["memory"]["optimizer_bytes"] == pytest.approx(4 * psi, rel=0.05)
     assert "broadcast" in result.ranks[0]["comm_totals"]  # updated shards go to the others
-    with pytest.raises(ValueError, match="ZeRO stage 2 with fp16"):
-        cluster.train(**ARGS, strategy=ZeRO(stage=2), mixed_precision="fp16")
     with pytest.raises(ValueError, match="ZeRO stage must be 1, 2 or 3"):
         ZeRO(stage=4)
 
@@ -187,7 +184,7 @@ def test_every_mode_on_four_ranks_matches_and_follows_the_memory_table(
     totals = {}
     for label, strategy in strategies.items():
         result = _check(cluster4, reference, strategy=strategy)
-        expected = estimate(reference.model, strategy, world_size=4)
+        expected = estimate.memory(reference.model, strategy, world_size=4)
         for memory in result.memory:
             parts = (memory["param_bytes"], memory["grad_bytes"], memory["optimizer_bytes"])
             assert sum(parts) == pytest.approx(expected["total"], rel=0.05), label

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from axon_nb.engine.placement import BACKENDS
+from axon_nb.rank.placement import BACKENDS
 
 ENGINE_KINDS = ("mpi", "local")
 

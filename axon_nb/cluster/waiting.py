@@ -1,6 +1,7 @@
 """Wait for work on the ranks: stream their output, surface the first failure, forward Ctrl-C.
 
-Everything here polls public ipyparallel AsyncResult state from the kernel's main thread, so a
+Everything here waits on public ipyparallel AsyncResult state from the kernel's main thread,
+in waits that end as soon as the results are in and that a signal interrupts, so a
 KeyboardInterrupt lands here and can be forwarded to the engines as SIGINT.
 """
 
@@ -16,7 +17,10 @@ from ipyparallel import error as ipp_error
 
 from axon_nb.errors import AxonError, RankDiedError, RankError
 
-POLL_S = 0.05
+FLUSH_S = 0.05
+"""While waiting, streamed output is copied (and ``tick`` called) at least this often."""
+OUTPUT_GRACE_S = 1.0
+"""Once the results are in, how long their last output (it travels apart) may lag behind."""
 FAILURE_GRACE_S = 2.0
 """After one rank fails, how long the others get to finish or fail on their own."""
 STUCK_AFTER_S = 2.0
@@ -89,7 +93,8 @@ def wait_for_ranks(
     those still running. Ctrl-C interrupts the ranks with SIGINT, waits for them to unwind
     and re-raises ``KeyboardInterrupt``.
 
-    ``tick`` is called on every poll (to read streamed metrics). With ``soft_stop_s``, the
+    Returns as soon as every rank's result and output are in. ``tick`` is called every
+    ``FLUSH_S`` at most while waiting (to read streamed metrics). With ``soft_stop_s``, the
     ranks treat SIGINT as "stop at the next safe point" (the training loop does): Ctrl-C then
     waits up to that long for them to finish on their own and returns normally; a second
     Ctrl-C, or the time running out, interrupts them as above.
@@ -103,21 +108,26 @@ def wait_for_ranks(
     streams = RankStreams(parts, out or sys.stdout, err or sys.stderr) if stream else None
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        while not all(p.ready() for p in parts.values()):
+        while not _all_ready(parts):
             _flush(streams)
             if tick is not None:
                 tick()
             if _failed(parts):
                 _settle_after_failure(parts, control, streams)
                 break
-            if deadline is not None and time.monotonic() > deadline:
-                running = _running(parts)
-                control.interrupt(running)
-                raise AxonError(
-                    f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
-                    "they were interrupted"
-                )
-            time.sleep(POLL_S)
+            wait_s = FLUSH_S
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left < 0:
+                    running = _running(parts)
+                    control.interrupt(running)
+                    raise AxonError(
+                        f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
+                        "they were interrupted"
+                    )
+                wait_s = min(wait_s, left)
+            _wait_all(parts, wait_s)
+        _wait_for_output(parts, OUTPUT_GRACE_S)
     except KeyboardInterrupt:
         if soft_stop_s is None or not _soft_stop(parts, control, streams, soft_stop_s):
             _forward_interrupt(parts, control, streams)
@@ -130,6 +140,34 @@ def wait_for_ranks(
 def _flush(streams: RankStreams | None) -> None:
     if streams is not None:
         streams.flush()
+
+
+def _all_ready(parts: dict[int, ipp.AsyncResult]) -> bool:
+    return all(p.ready() for p in parts.values())
+
+
+def _wait_all(parts: dict[int, ipp.AsyncResult], seconds: float) -> None:
+    """Block until every part is ready or ``seconds`` pass, whichever comes first.
+
+    ``AsyncResult.wait`` blocks on a ``threading.Event`` set by the client's IO thread when the
+    result arrives, so this returns at once when the results are in; on the main thread a
+    signal interrupts it (Ctrl-C raises ``KeyboardInterrupt`` here).
+    """
+    end = time.monotonic() + seconds
+    for part in parts.values():
+        left = end - time.monotonic()
+        # (ipyparallel takes a negative timeout as "forever")
+        if left <= 0 or not part.wait(left):
+            return
+
+
+def _wait_for_output(parts: dict[int, ipp.AsyncResult], seconds: float) -> None:
+    """Wait up to ``seconds`` for the ready parts' output (it may trail their results)."""
+    end = time.monotonic() + seconds
+    for part in parts.values():
+        left = end - time.monotonic()
+        if part.ready() and (left <= 0 or not part.wait_for_output(left)):
+            return
 
 
 def _running(parts: dict[int, ipp.AsyncResult]) -> list[int]:
@@ -215,13 +253,16 @@ def _wait_until_ready(
     parts: dict[int, ipp.AsyncResult], seconds: float, streams: RankStreams | None
 ) -> bool:
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
+    while True:
         _flush(streams)
-        if all(p.ready() for p in parts.values()):
+        if _all_ready(parts):
+            _wait_for_output(parts, OUTPUT_GRACE_S)
             _flush(streams)
             return True
-        time.sleep(POLL_S)
-    return False
+        left = end - time.monotonic()
+        if left <= 0:
+            return False
+        _wait_all(parts, min(FLUSH_S, left))
 
 
 def _raise_failures(parts: dict[int, ipp.AsyncResult], order: list[int]) -> None:

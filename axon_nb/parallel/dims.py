@@ -1,59 +1,113 @@
-"""The one place where parallel degrees are checked and the device mesh is built.
+"""``ParallelDims``: the one place that knows how the ranks are laid out.
 
-Ranks are laid out on a 3-D mesh ``(pp, dp, tp)``, tensor parallelism innermost (the ranks that
-talk most sit next to each other, on one host when there are several)::
+Ranks sit on a 4-D mesh ``(pp, dp_replicate, dp_shard, tp)``, tensor parallelism innermost
+(the ranks that talk most are neighbours, on one host when there are several)::
 
-    rank = (pp_index * dp + dp_index) * tp + tp_index
+    rank = ((pp_index * dp_replicate + replicate_index) * dp_shard + shard_index) * tp + tp_index
+
+Data parallelism is ``dp = dp_replicate x dp_shard``: plain data parallelism (DDP, ZeRO-1/2)
+and FSDP use the flattened ``dp`` axis; FSDP's hybrid sharding shards over ``dp_shard`` and
+replicates over ``dp_replicate``.
+
+Pure Python: the kernel validates degrees with it; only :meth:`ParallelDims.mesh` imports torch.
 
 Example::
 
-    dims = ParallelDims(dp=2, tp=2, pp=1, world_size=4)
-    dims.coords(3)            # {"pp": 0, "dp": 1, "tp": 1}
-    mesh = dims.build_mesh("cpu")
-    mesh["tp"]                # this rank's tensor-parallel group
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, tp=2, pp=1, world_size=4)
+    dims.coords(3)            # {"pp": 0, "dp_replicate": 0, "dp_shard": 1, "tp": 1}
+    dims.data_rank(3)         # (1, 2): reads the second of two data shards
+    mesh = dims.mesh("cpu")   # mesh["tp"], mesh["pp"], mesh["dp_replicate", "dp_shard"]
+    dims.dp_mesh("cpu")       # all data-parallel ranks, flattened
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(kw_only=True, slots=True)
 class ParallelDims:
-    """Degrees of pipeline (``pp``), data (``dp``) and tensor (``tp``) parallelism."""
+    """Degrees of pipeline, data (replicated x sharded) and tensor parallelism."""
 
-    dp: int
-    tp: int
-    pp: int
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP's ranks, or FSDP hybrid sharding's groups)."""
+    dp_shard: int = 1
+    """Data-parallel ranks that shard the model state among themselves (FSDP, ZeRO)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (ranks along the pipeline, not stages)."""
     world_size: int
+    _meshes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         bad = [f"{a}={getattr(self, a)!r}" for a in AXES if not _positive(getattr(self, a))]
         if bad:
             raise ValueError(f"parallel degrees must be positive integers, got {', '.join(bad)}")
-        if self.dp * self.tp * self.pp != self.world_size:
+        product = self.pp * self.dp * self.tp
+        if product != self.world_size:
+            split = ""
+            if self.dp_replicate > 1 and self.dp_shard > 1:
+                split = f" (dp = dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard})"
             raise ValueError(
                 f"the parallel degrees must multiply to the world size: dp={self.dp} x "
-                f"tp={self.tp} x pp={self.pp} = {self.dp * self.tp * self.pp}, but there are "
-                f"{self.world_size} ranks. Choose degrees whose product is {self.world_size}"
+                f"tp={self.tp} x pp={self.pp} = {product}, but there are {self.world_size} "
+                f"ranks{split}. Choose degrees whose product is {self.world_size}"
             )
 
+    @property
+    def dp(self) -> int:
+        """All data-parallel ranks: ``dp_replicate x dp_shard``."""
+        return self.dp_replicate * self.dp_shard
+
     def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index along each axis."""
+        """``rank``'s index along each axis, and along the flattened ``dp`` axis."""
+        tp_index = rank % self.tp
+        shard = rank // self.tp % self.dp_shard
+        replicate = rank // (self.tp * self.dp_shard) % self.dp_replicate
+        pp_index = rank // (self.tp * self.dp)
         return {
-            "pp": rank // (self.dp * self.tp),
-            "dp": rank // self.tp % self.dp,
-            "tp": rank % self.tp,
+            "pp": pp_index,
+            "dp_replicate": replicate,
+            "dp_shard": shard,
+            "dp": replicate * self.dp_shard + shard,
+            "tp": tp_index,
         }
 
-    def build_mesh(self, device_type: str) -> Any:
-        """The ``DeviceMesh`` over all ranks, with axes named ``pp``, ``dp`` and ``tp``."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def data_rank(self, rank: int) -> tuple[int, int]:
+        """``(index, size)`` of ``rank``'s data shard: ranks with the same index read the same
+        samples (tensor-parallel peers and pipeline stages of one replica do)."""
+        return self.coords(rank)["dp"], self.dp
 
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=AXES)
+    def loss_share(self, rank: int) -> float:
+        """Weight of ``rank``'s loss in the global mean loss: the last pipeline stage computes
+        it, the same on every tensor-parallel peer; other stages compute none."""
+        if self.coords(rank)["pp"] != self.pp - 1:
+            return 0.0
+        return 1.0 / (self.dp * self.tp)
+
+    def mesh(self, device_type: str) -> Any:
+        """The ``DeviceMesh`` over all ranks, with the axes of :data:`AXES` (built once, then
+        cached)."""
+        return self._build(device_type)[0]
+
+    def dp_mesh(self, device_type: str) -> Any:
+        """The flattened data-parallel axis ``dp_replicate x dp_shard`` (a 1-D mesh)."""
+        return self._build(device_type)[1]
+
+    def _build(self, device_type: str) -> tuple[Any, Any]:
+        if device_type not in self._meshes:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            shape = tuple(getattr(self, a) for a in AXES)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            # Kept here: PyTorch asks that a flattened axis be held, not sliced from the root.
+            dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            self._meshes[device_type] = (mesh, dp)
+        return self._meshes[device_type]
 
 
 def _positive(value: Any) -> bool:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+from axon_nb.parallel.config import FSDPConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -40,27 +43,25 @@ def wrap_targets(
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
-def apply_fsdp(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    *,
-    units: Sequence[nn.Module],
-    reshard_after_forward: bool,
-    param_dtype: str | None = None,
-    reduce_dtype: str | None = None,
-    cpu_offload: bool = False,
-) -> nn.Module:
-    """Shard ``units`` (inner first) and then the root over ``mesh`` (1-D: FSDP, 2-D: HSDP).
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Module:
+    """Shard ``model``'s units (inner first, see :func:`wrap_targets`) and then ``model`` over
+    ``mesh`` (1-D: FSDP, 2-D (replicate, shard): hybrid sharding).
 
-    ``cpu_offload`` moves shards to the CPU between uses; on CPU ranks they are there already,
-    so it changes nothing (and the same notebook runs on both).
+    A pipeline stage (an ``nn.Sequential`` of layers) with no unit inside is sharded layer by
+    layer. ``cpu_offload`` moves shards to the CPU between uses; on CPU ranks they are there
+    already, so it changes nothing (and the same notebook runs on both).
     """
+    units = wrap_targets(model, config.auto_wrap, config.min_params)
+    if not units and isinstance(model, nn.Sequential):
+        units = [layer for layer in model if any(True for _ in layer.parameters())]
     policy = MixedPrecisionPolicy(
-        param_dtype=DTYPES[param_dtype] if param_dtype else None,
-        reduce_dtype=DTYPES[reduce_dtype] if reduce_dtype else None,
+        param_dtype=DTYPES[config.param_dtype] if config.param_dtype else None,
+        reduce_dtype=DTYPES[config.reduce_dtype] if config.reduce_dtype else None,
     )
-    options = dict(mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    if cpu_offload and mesh.device_type != "cpu":
+    options: dict[str, Any] = dict(
+        mesh=mesh, mp_policy=policy, reshard_after_forward=config.reshard_after_forward
+    )
+    if config.cpu_offload and mesh.device_type != "cpu":
         options["offload_policy"] = CPUOffloadPolicy()
     for unit in units:
         fully_shard(unit, **options)

@@ -1,4 +1,4 @@
-"""Gradient-norm clipping over parameters that may be DTensor shards or split across stages."""
+"""Gradient-norm clipping for every layout: whole, DTensor-sharded, or split across ranks."""
 
 from __future__ import annotations
 
@@ -14,23 +14,45 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients so their global 2-norm is at most ``max_norm``; returns that norm.
 
-    A DTensor gradient's norm is taken over its whole tensor (a collective over its mesh);
-    ``group``: the ranks whose *different* parameters make up the model (pipeline stages),
-    whose squared norms are summed. Example::
+    A DTensor gradient contributes its local shard, summed over the mesh axes it is sharded
+    on (one all-reduce per distinct set of axes, not per tensor). ``group``: the ranks whose
+    plain gradients are *different* pieces of the model (pipeline stages, ZeRO-2 shards),
+    whose squared norms are summed too. Example::
 
         clip_grad_norm_(stage.parameters(), 1.0, group=pp_group)
     """
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), device=device)
+    device = _local(grads[0]).device if grads else torch.device("cpu")
+    squares: dict[tuple[Any, ...], torch.Tensor] = {}  # insertion order: the same on peers
     for g in grads:
-        norm = torch.linalg.vector_norm(g.float())
-        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squares = squares + norm.pow(2)
+        key = _sharded_groups(g)
+        square = torch.linalg.vector_norm(_local(g).float()).pow(2)
+        squares[key] = squares.get(key, torch.zeros((), device=device)) + square
+    total = torch.zeros((), device=device)
+    for key, square in squares.items():
+        for axis_group in key:
+            dist.all_reduce(square, group=axis_group)
+        total = total + square
     if group is not None:
-        dist.all_reduce(squares, group=group)
-    total = squares.sqrt()
-    scale = min(1.0, max_norm / (float(total) + 1e-6))
+        dist.all_reduce(total, group=group)
+    norm = total.sqrt()
+    scale = min(1.0, max_norm / (float(norm) + 1e-6))
     for g in grads:
-        g.mul_(scale)
-    return total
+        _local(g).mul_(scale)
+    return norm
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _sharded_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Process groups of the mesh axes a DTensor is sharded on (empty for a plain tensor)."""
+    if not hasattr(tensor, "placements"):
+        return ()
+    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    return tuple(
+        mesh.get_group(axis)
+        for axis, placement in enumerate(tensor.placements)  # type: ignore[attr-defined]
+        if placement.is_shard()
+    )

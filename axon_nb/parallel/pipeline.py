@@ -10,10 +10,11 @@ stages' parameters; the rest of the model is moved to the meta device.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,9 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+from axon_nb.parallel.activation_checkpoint import canonical_name
+from axon_nb.parallel.config import PipelineConfig
+from axon_nb.parallel.optim_state import by_index, by_name, single_group
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -88,11 +91,54 @@ def check_starts(starts: Sequence[int], num_layers: int, num_stages: int) -> lis
     return full
 
 
-class PipelinedModel(nn.Module):
-    """This rank's stages of a model, with their schedule; ``root`` is the whole model (only
-    this rank's stages hold real parameters).
+def plan_stages(
+    model: nn.Module, pp_index: int, pp_size: int, config: PipelineConfig
+) -> tuple[list[int], list[int]]:
+    """``(bounds, mine)``: stage s holds layers ``bounds[s] .. bounds[s+1]``, and pipeline rank
+    ``pp_index`` runs stages ``mine``. Nothing is changed yet."""
+    layers = pipeline_layers(model)
+    num_stages = pp_size * config.virtual_stages
+    if config.split_points is not None:
+        starts = check_starts(config.split_points, len(layers), num_stages)
+    else:
+        starts = balanced_starts(
+            [sum(p.numel() for p in m.parameters()) for m in layers], num_stages
+        )
+    mine = [s for s in range(num_stages) if s % pp_size == pp_index]
+    return [*starts, len(layers)], mine
 
-    ``parts`` holds the stage modules, so ``parameters()`` are exactly this rank's.
+
+def owned_module_names(model: nn.Module, bounds: list[int], mine: list[int]) -> set[str]:
+    """Names of the modules inside this rank's stages."""
+    layers = pipeline_layers(model)
+    kept = [layers[i] for s in mine for i in range(bounds[s], bounds[s + 1])]
+    inside = {id(m) for layer in kept for m in layer.modules()}
+    return {name for name, m in model.named_modules() if id(m) in inside}
+
+
+def cut_stages(model: nn.Module, bounds: list[int], mine: list[int]) -> list[nn.Module]:
+    """This rank's stages as ``nn.Sequential``s of the model's layers; every other layer is
+    moved to the meta device (its parameters are freed here)."""
+    layers = pipeline_layers(model)
+    owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
+    for i, layer in enumerate(layers):
+        if i not in owned:
+            layer.to("meta")
+    return [nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in mine]
+
+
+class PipelinedModel(nn.Module):
+    """This rank's stages of a model and their schedule; ``root`` is the whole model (only this
+    rank's stages hold real parameters).
+
+    ``parts`` holds the stage modules (possibly sharded), so ``parameters()`` are exactly
+    this rank's. Example (what ``parallelize`` does when ``pp > 1``)::
+
+        bounds, mine = plan_stages(model, pp_index, pp_size, config)
+        piped = PipelinedModel(model, cut_stages(model, bounds, mine), mine,
+                               num_stages=len(bounds) - 1, config=config, device=device,
+                               group=pp_group)
+        loss = piped.step(microbatches, micro)
     """
 
     def __init__(
@@ -100,97 +146,101 @@ class PipelinedModel(nn.Module):
         root: nn.Module,
         parts: list[nn.Module],
         stage_indices: list[int],
+        *,
         num_stages: int,
+        config: PipelineConfig,
+        device: torch.device,
+        group: Any,
     ) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
         object.__setattr__(self, "root", root)  # not a submodule: its other stages are meta
         self.stage_indices = stage_indices
         self.num_stages = num_stages
+        self.microbatches = config.microbatches
         self.has_first = 0 in stage_indices
         self.has_last = num_stages - 1 in stage_indices
-        self.schedule: Any = None
-        self.pp_group: Any = None
-        self.loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
-        self.loss_scale = 1.0
+        self.group = group
+        """The pipeline's process group (None in a one-rank world)."""
         self.forward_s = 0.0
         self.backward_s = 0.0
+        self.last_step: dict[str, float] = {}
+        """Stage timing of the latest step: forward_s, backward_s and the bubble share."""
+        self._micro: MicroStep | None = None
+        self._loss_scale = 1.0
+        self.schedule = self._build_schedule(config.schedule, device)
 
-    def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The user's loss of one micro-batch, scaled so that gradients sum to the step mean."""
-        assert self.loss_fn is not None
-        return self.loss_fn(output, target).float() * self.loss_scale
+    def step(self, microbatches: Sequence[Any], micro: MicroStep) -> torch.Tensor:
+        """Forward and backward of one optimizer step's (input, target) micro-batches through
+        the schedule; returns the step's mean loss on the last stage (0 elsewhere)."""
+        self._micro = micro
+        self._loss_scale = 1.0 / (self.microbatches * len(microbatches))
+        before = (self.forward_s, self.backward_s)
+        started = time.perf_counter()
+        losses: list[torch.Tensor] = []
+        for inputs, target in microbatches:
+            args = (inputs,) if self.has_first else ()
+            step_losses: list[torch.Tensor] = []  # the schedule's, one per micro-batch
+            with micro.autocast():
+                self.schedule.step(
+                    *args, target=target if self.has_last else None, losses=step_losses
+                )
+            losses += [micro.unscale(loss.detach()) for loss in step_losses]
+        wall = time.perf_counter() - started
+        forward, backward = self.forward_s - before[0], self.backward_s - before[1]
+        self.last_step = {
+            "forward_s": forward,
+            "backward_s": backward,
+            "bubble": max(0.0, 1.0 - (forward + backward) / wall),
+        }
+        if not losses:
+            return torch.zeros((), device=next(self.parameters()).device)
+        return torch.stack(losses).sum()
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The user's loss of one micro-batch, scaled so that gradients sum to the step mean
+        (and by the fp16 loss scale, when there is one)."""
+        assert self._micro is not None and self._micro.loss_fn is not None
+        loss = self._micro.loss_fn(output, target).float() * self._loss_scale
+        return self._micro.scale(loss)
+
+    def _build_schedule(self, name: str, device: torch.device) -> Any:
+        stages = [
+            PipelineStage(part, index, self.num_stages, device, group=self.group)
+            for part, index in zip(self.parts, self.stage_indices, strict=True)
+        ]
+        for stage in stages:
+            _time_stage(stage, self)
+        options: dict[str, Any] = dict(
+            n_microbatches=self.microbatches, loss_fn=self._scaled_loss, scale_grads=False
+        )
+        if name == "interleaved_1f1b":
+            return ScheduleInterleaved1F1B(stages, **options)
+        cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+        return cls(stages[0], **options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             "a pipelined model runs through its schedule; train it with cluster.train, or "
-            "evaluate the full model gathered with strategy.state_dict"
+            "gather the full model (cluster.save, or trainstate.get(name).parallel."
+            "full_state_dict())"
         )
 
 
-def apply_pipeline(
-    model: nn.Module,
-    *,
-    pp_index: int,
-    pp_size: int,
-    virtual_stages: int,
-    split_points: Sequence[int] | None,
-    schedule: str,
-    microbatches: int,
-    device: torch.device,
-    group: Any,
-    prepare: Callable[[nn.Module, list[nn.Module]], list[nn.Module]] | None = None,
-) -> PipelinedModel:
-    """Cut ``model`` into ``pp_size x virtual_stages`` stages and keep pipeline rank
-    ``pp_index``'s, with their schedule over ``group``. ``prepare(model, parts)`` may split or
-    shard the kept stages further (tensor and data parallelism) before they are wrapped."""
-    layers = pipeline_layers(model)
-    num_stages = pp_size * virtual_stages
-    if split_points is not None:
-        starts = check_starts(split_points, len(layers), num_stages)
-    else:
-        starts = balanced_starts(
-            [sum(p.numel() for p in m.parameters()) for m in layers], num_stages
-        )
-    bounds = [*starts, len(layers)]
-    mine = [s for s in range(num_stages) if s % pp_size == pp_index]
-    owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
-    for i, layer in enumerate(layers):
-        if i not in owned:
-            layer.to("meta")  # another rank's stage: free its parameters here
-    parts: list[nn.Module] = [nn.Sequential(*layers[bounds[s] : bounds[s + 1]]) for s in mine]
-    if prepare is not None:
-        parts = prepare(model, parts)
-    wrapped = PipelinedModel(model, parts, mine, num_stages)
-    wrapped.pp_group = group
-    wrapped.schedule = build_schedule(
-        wrapped, name=schedule, microbatches=microbatches, device=device, group=group
-    )
-    return wrapped
+class MicroStep(Protocol):
+    """What a pipeline step needs from the training loop."""
 
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    """The user's ``loss(output, target)``."""
 
-def build_schedule(
-    model: PipelinedModel,
-    *,
-    name: str,
-    microbatches: int,
-    device: torch.device,
-    group: Any,
-) -> Any:
-    """Wrap each part in a ``PipelineStage`` and build the schedule ``name`` over them."""
-    stages = [
-        PipelineStage(part, index, model.num_stages, device, group=group)
-        for part, index in zip(model.parts, model.stage_indices, strict=True)
-    ]
-    for stage in stages:
-        _time_stage(stage, model)
-    options: dict[str, Any] = dict(
-        n_microbatches=microbatches, loss_fn=model.scaled_loss, scale_grads=False
-    )
-    if name == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, **options)
-    cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
-    return cls(stages[0], **options)
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's autocast context (a no-op without mixed precision)."""
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (unchanged without one)."""
+
+    def unscale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the fp16 loss scale (unchanged without one)."""
 
 
 def _time_stage(stage: PipelineStage, model: PipelinedModel) -> None:
@@ -212,27 +262,20 @@ def _time_stage(stage: PipelineStage, model: PipelinedModel) -> None:
 
 
 def owned_state(model: PipelinedModel) -> dict[str, torch.Tensor]:
-    """This rank's parameters and buffers, named as in the whole model, full (not TP-sharded)."""
+    """This rank's parameters and buffers, named as in the whole model, full (not sharded)."""
     owned = {id(t) for part in model.parts for t in [*part.parameters(), *part.buffers()]}
     state = {}
     for name, tensor in model.root.state_dict(keep_vars=True).items():
         if id(tensor) in owned:
-            value = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            state[name] = value.detach().cpu()
+            state[canonical_name(name)] = _full(tensor)
     return state
 
 
 def gather_state(model: PipelinedModel) -> dict[str, torch.Tensor]:
     """The whole model's state dict, assembled from every rank's stages (a collective)."""
-    mine = owned_state(model)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    merged: dict[str, torch.Tensor] = {}
-    for part in everyone:
-        merged.update(part)
-    return {k: merged[k] for k in model.root.state_dict() if k in merged}
+    merged = _merge_over_ranks(owned_state(model))
+    order = [canonical_name(k) for k in model.root.state_dict()]
+    return {k: merged[k] for k in order if k in merged}
 
 
 def gather_optimizer_state(
@@ -240,25 +283,11 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """Every stage's optimizer state, unsharded and keyed by parameter name, on every rank
     (a collective), in the layout of an unsplit model's optimizer."""
-    if len(optimizer.param_groups) != 1:
-        raise NotImplementedError(
-            "checkpoints of pipelined runs support one optimizer parameter group; this "
-            f"optimizer has {len(optimizer.param_groups)}"
-        )
-    names = {id(p): n for n, p in model.root.named_parameters()}
-    mine = {
-        names[id(p)]: {k: _full(v) for k, v in entry.items()}
-        for p, entry in optimizer.state.items()
-    }
-    everyone: list[Any] = [mine]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-    state: dict[str, Any] = {}
-    for part in everyone:
-        state.update(part)
-    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
-    return {"state": state, "param_groups": [{**group, "params": list(names.values())}]}
+    names = _param_names(model)
+    local = by_name(optimizer.state_dict(), [names[id(p)] for p in _optimizer_params(optimizer)])
+    mine = {n: {k: _full(v) for k, v in entry.items()} for n, entry in local["state"].items()}
+    everyone = {"state": _merge_over_ranks(mine), "param_groups": local["param_groups"]}
+    return single_group(everyone, [canonical_name(n) for n, _ in model.root.named_parameters()])
 
 
 def load_full_state(
@@ -270,21 +299,37 @@ def load_full_state(
     with torch.no_grad():
         for name, tensor in model.root.state_dict(keep_vars=True).items():
             if id(tensor) in owned:
-                tensor.copy_(_like(tensor, state["model"][name]))
+                tensor.copy_(_like(tensor, state["model"][canonical_name(name)]))
     if state["optimizer"] is None:
         return
-    names = {id(p): n for n, p in model.root.named_parameters()}
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    saved = state["optimizer"]["state"]
-    local = {
-        i: {k: _like(p, v) if _is_per_element(p, v) else v for k, v in saved[names[id(p)]].items()}
-        for i, p in enumerate(params)
-        if names[id(p)] in saved
+    names = _param_names(model)
+    params = _optimizer_params(optimizer)
+    local = by_index(state["optimizer"], [names[id(p)] for p in params])
+    local["state"] = {
+        i: {k: _like(params[i], v) if _is_per_element(params[i], v) else v for k, v in e.items()}
+        for i, e in local["state"].items()
     }
-    group = {k: v for k, v in state["optimizer"]["param_groups"][0].items() if k != "params"}
-    optimizer.load_state_dict(
-        {"state": local, "param_groups": [{**group, "params": list(range(len(params)))}]}
-    )
+    optimizer.load_state_dict(local)
+
+
+def _param_names(model: PipelinedModel) -> dict[int, str]:
+    return {id(p): canonical_name(n) for n, p in model.root.named_parameters()}
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _merge_over_ranks(mine: dict[str, Any]) -> dict[str, Any]:
+    """The union of every rank's ``mine`` (a collective), on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return dict(mine)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, Any] = {}
+    for part in everyone:
+        merged.update(part)
+    return merged
 
 
 def _full(value: Any) -> Any:

@@ -23,7 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from axon_nb.strategies.tensor import STYLES
+from axon_nb.parallel.config import TP_STYLES as STYLES
+from axon_nb.parallel.config import TensorConfig
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -101,10 +102,22 @@ def resolve_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, s
     return resolved
 
 
+def apply_tp(
+    model: nn.Module, mesh: Any, config: TensorConfig, owned: set[str] | None = None
+) -> nn.Module:
+    """Split ``model``'s layers over the 1-D ``mesh`` (its tensor-parallel ranks) by
+    ``config``'s plan (or the default plan); only modules named in ``owned``, when given (a
+    pipeline rank's stages)."""
+    plan = resolve_plan(model, config.plan or default_plan(model), mesh.size())
+    if owned is not None:
+        plan = {name: style for name, style in plan.items() if name in owned}
+    return apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel)
+
+
 def apply_tensor_parallel(
     model: nn.Module, mesh: Any, plan: dict[str, str], *, sequence_parallel: bool
 ) -> nn.Module:
-    """Parallelize ``model``'s planned layers over the 1-D ``mesh`` (its tensor-parallel ranks)."""
+    """Parallelize ``model``'s planned layers (exact names) over ``mesh``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from axon_nb.parallel.optim_state import single_group
+
 
 class _Bucket:
     """Flat storage for some parameters, and this rank's slice of it."""
@@ -57,17 +59,18 @@ class GradShardedModel(nn.Module):
 
     Example (what ``ZeRO(stage=2)`` does on each rank)::
 
-        model = GradShardedModel(net, rank, world_size, bucket_cap_mb=25)
+        model = GradShardedModel(net, group, bucket_cap_mb=25)
         optimizer = model.build_optimizer(torch.optim.AdamW, lr=1e-3)
     """
 
-    def __init__(
-        self, module: nn.Module, rank: int, world_size: int, *, bucket_cap_mb: float = 25.0
-    ) -> None:
+    def __init__(self, module: nn.Module, group: Any, *, bucket_cap_mb: float = 25.0) -> None:
         super().__init__()
         self.module = module
-        self.world_size = world_size
-        self.buckets = _pack(module, rank, world_size, int(bucket_cap_mb * 2**20))
+        self.group = group
+        """The data-parallel ranks the gradients and optimizer state are sharded over."""
+        self.world_size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        self.buckets = _pack(module, rank, self.world_size, int(bucket_cap_mb * 2**20))
         self.require_sync = True
         self._pending: list[tuple[Any, torch.Tensor, _Bucket]] = []
         self._reduced: set[int] = set()
@@ -117,7 +120,7 @@ class GradShardedModel(nn.Module):
         for p in bucket.params:
             p.grad = None  # the full gradients go; only this rank's slice stays
         out = torch.empty_like(bucket.shard)
-        work = dist.reduce_scatter_single(out, flat, async_op=True)
+        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
         self._pending.append((work, out, bucket))
 
     def finish_backward(self) -> None:
@@ -137,41 +140,36 @@ class GradShardedModel(nn.Module):
     def gather(self) -> None:
         """Bring every rank's updated slice into every rank's buckets."""
         for bucket in self.buckets:
-            dist.all_gather_single(bucket.flat, bucket.shard.detach().clone())
+            dist.all_gather_single(bucket.flat, bucket.shard.detach().clone(), group=self.group)
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm over all ranks' shards; returns the norm."""
-        from axon_nb.parallel.grads import clip_grad_norm_
+    def shards(self) -> list[nn.Parameter]:
+        """This rank's slices, one per bucket: what its optimizer steps."""
+        return [b.shard for b in self.buckets]
 
-        shards = [b.shard for b in self.buckets]
-        return clip_grad_norm_(shards, max_norm, group=dist.group.WORLD)
-
-    def full_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The optimizer state per parameter name (as for an unsharded model), on every rank."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
+    def full_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, names: dict[int, str]
+    ) -> dict[str, Any]:
+        """The optimizer state per parameter name (as for an unsharded model), on every rank;
+        ``names`` maps ``id(parameter)`` to its name."""
         state: dict[str, dict[str, Any]] = {}
         for bucket in self.buckets:
             for key, value in optimizer.state.get(bucket.shard, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == bucket.shard.shape:
                     full = value.new_empty(bucket.size)
-                    dist.all_gather_single(full, value.contiguous())
+                    dist.all_gather_single(full, value.contiguous(), group=self.group)
                     for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                         piece = full[offset : offset + p.numel()].view_as(p).clone()
                         state.setdefault(names[id(p)], {})[key] = piece
                 else:  # step counters and other per-tensor scalars
                     for p in bucket.params:
                         state.setdefault(names[id(p)], {})[key] = _copy(value)
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(names.values())}
-            for g in optimizer.param_groups
-        ]
-        return {"state": state, "param_groups": groups}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        return single_group({"state": state, "param_groups": groups}, sorted(names.values()))
 
     def load_full_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, full: dict[str, Any]
+        self, optimizer: torch.optim.Optimizer, full: dict[str, Any], names: dict[int, str]
     ) -> None:
         """Load a state made by ``full_optimizer_state`` (from any world size)."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
         local: dict[int, dict[str, Any]] = {}
         for index, bucket in enumerate(self.buckets):
             per_param = [full["state"].get(names[id(p)], {}) for p in bucket.params]

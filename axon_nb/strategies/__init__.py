@@ -1,10 +1,11 @@
-"""User-facing strategies: typed configs whose methods run on the ranks."""
+"""User-facing strategies: typed configs, each mapping to a ``ParallelDims`` and a
+``ParallelConfig`` (pure Python: built and checked in the kernel, applied on the ranks)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from axon_nb.strategies.base import MicroStep, SingleDevice, Strategy
+from axon_nb.strategies.base import SingleDevice, Strategy
 from axon_nb.strategies.ddp import DDP
 from axon_nb.strategies.fsdp import FSDP
 from axon_nb.strategies.hybrid import Hybrid
@@ -28,7 +29,6 @@ __all__ = [
     "FSDP",
     "STRATEGIES",
     "Hybrid",
-    "MicroStep",
     "Pipeline",
     "SingleDevice",
     "Strategy",

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-from axon_nb.strategies.base import Strategy
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
-    from axon_nb.engine.runtime import RankContext
+from axon_nb.parallel.config import FSDPConfig, ParallelConfig
+from axon_nb.parallel.dims import ParallelDims
+from axon_nb.strategies.base import Strategy, divisors, positive
 
 SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class FSDP(Strategy):
     """Shard parameters, gradients and optimizer state across ranks with FSDP2.
 
@@ -54,101 +48,56 @@ class FSDP(Strategy):
     ranks; on CPU ranks everything is on the CPU already)."""
     reshard_after_forward: bool | None = None
     """Override the sharding mode's choice of resharding parameters after forward."""
-    activation_checkpointing: bool = False
-    """Recompute the activations of every ``interval``-th block in backward (less memory)."""
-    interval: int = 1
-    """With ``activation_checkpointing``: checkpoint blocks 0, interval, 2 x interval, ..."""
 
-    def __post_init__(self) -> None:
-        errors = []
-        if self.sharding not in SHARDING:
-            errors.append(f"sharding must be one of {', '.join(SHARDING)}, got {self.sharding!r}")
-        if self.shard_size is not None and (
-            not isinstance(self.shard_size, int) or self.shard_size < 1
-        ):
-            errors.append(f"shard_size must be a positive integer, got {self.shard_size!r}")
-        for field_name in ("param_dtype", "reduce_dtype"):
-            value = getattr(self, field_name)
-            if value not in (None, "bf16", "fp16", "fp32"):
-                errors.append(f"{field_name} must be 'bf16', 'fp16', 'fp32' or None, got {value!r}")
-        if not isinstance(self.interval, int) or self.interval < 1:
-            errors.append(
-                f"activation checkpoint interval must be an integer >= 1, got {self.interval!r}"
-            )
-        if errors:
-            raise ValueError("invalid FSDP options:\n  - " + "\n  - ".join(errors))
+    def problems(self) -> list[str]:
+        errors = [*Strategy.problems(self), *self._fsdp().problems()]
+        errors += sharding_problems(self.sharding, self.shard_size)
+        return errors
 
-    def check_world(self, world_size: int) -> None:
-        size = self.shard_size if self.sharding == "hybrid_shard" else None
-        if size is not None and world_size % size:
-            raise ValueError(
-                f"hybrid_shard needs shard_size to divide the world size: shard_size={size}, "
-                f"world_size={world_size}. Use one of "
-                f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}"
-            )
+    def dims(self, world_size: int, ranks_per_host: int = 1) -> ParallelDims:
+        replicate, shard = split_data_parallel(
+            world_size, self.sharding, self.shard_size or ranks_per_host
+        )
+        return ParallelDims(dp_replicate=replicate, dp_shard=shard, world_size=world_size)
 
-    def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
+    def config(self) -> ParallelConfig:
+        return ParallelConfig(
+            data_parallel="fsdp",
+            fsdp=self._fsdp(),
+            activation_checkpointing=self._checkpoint_every(),
+        )
 
-        from axon_nb.parallel.checkpointing import apply_activation_checkpointing
-        from axon_nb.parallel.fsdp import apply_fsdp, wrap_targets
-
-        # Order matters: checkpoint the blocks first, then shard what was wrapped.
-        if self.activation_checkpointing:
-            apply_activation_checkpointing(model, self.interval)
-        units = wrap_targets(model, self.auto_wrap, self.min_params)
-        shard = {
-            "full_shard": ctx.world_size,
-            "shard_grad_op": ctx.world_size,
-            "no_shard": 1,  # replicate over a (world, 1) mesh: nothing is sharded
-            "hybrid_shard": self.shard_size or ctx.local_world_size,
-        }[self.sharding]
-        if ctx.world_size % shard:
-            raise ValueError(
-                f"hybrid_shard groups of {shard} ranks do not divide {ctx.world_size} ranks; "
-                "pass shard_size="
-            )
-        if shard == ctx.world_size:
-            mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
-        else:
-            mesh = init_device_mesh(
-                ctx.device.type,
-                (ctx.world_size // shard, shard),
-                mesh_dim_names=("replicate", "shard"),
-            )
+    def _fsdp(self) -> FSDPConfig:
         reshard = self.reshard_after_forward
-        if reshard is None:
-            reshard = self.sharding != "shard_grad_op"
-        return apply_fsdp(
-            model,
-            mesh,
-            units=units,
-            reshard_after_forward=reshard,
+        return FSDPConfig(
+            reshard_after_forward=self.sharding != "shard_grad_op" if reshard is None else reshard,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
             cpu_offload=self.cpu_offload,
+            auto_wrap=self.auto_wrap,
+            min_params=self.min_params,
         )
 
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
-        return _without_gradient_sync(model)
 
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        import torch
-
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """Full, unsharded parameters on every rank (a collective: call it on all ranks)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+def sharding_problems(sharding: str, shard_size: int | None) -> list[str]:
+    """Problems with an FSDP sharding mode and its group size (FSDP and Hybrid's options)."""
+    errors = []
+    if sharding not in SHARDING:
+        errors.append(f"sharding must be one of {', '.join(SHARDING)}, got {sharding!r}")
+    if shard_size is not None and not positive(shard_size):
+        errors.append(f"shard_size must be a positive integer, got {shard_size!r}")
+    return errors
 
 
-@contextlib.contextmanager
-def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+def split_data_parallel(dp: int, sharding: str, shard_size: int) -> tuple[int, int]:
+    """``(dp_replicate, dp_shard)`` of ``dp`` data-parallel ranks under an FSDP ``sharding``."""
+    if sharding == "no_shard":
+        return dp, 1
+    if sharding != "hybrid_shard":
+        return 1, dp
+    if dp % shard_size:
+        raise ValueError(
+            f"hybrid_shard needs shard_size to divide the world size (its {dp} data-parallel "
+            f"ranks): shard_size={shard_size}. Use one of {divisors(dp)}"
+        )
+    return dp // shard_size, shard_size

@@ -1,175 +1,152 @@
-"""``Hybrid``: data, tensor and pipeline parallelism together, over one 3-D device mesh."""
+"""``Hybrid``: data, tensor and pipeline parallelism together, over one device mesh."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
-from axon_nb.strategies.base import MicroStep, Strategy
-from axon_nb.strategies.pipeline import Pipeline
-from axon_nb.strategies.tensor import TensorParallel
+from axon_nb.parallel.config import (
+    DDPConfig,
+    FSDPConfig,
+    ParallelConfig,
+    PipelineConfig,
+    TensorConfig,
+)
+from axon_nb.parallel.dims import ParallelDims
+from axon_nb.strategies.base import Strategy, positive
+from axon_nb.strategies.fsdp import sharding_problems, split_data_parallel
 
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
-    from axon_nb.engine.runtime import RankContext
+DATA_PARALLEL = ("fsdp", "ddp")
+FSDP_ONLY = ("shard_size", "param_dtype", "reduce_dtype", "cpu_offload")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class Hybrid(Strategy):
     """``dp`` x ``tp`` x ``pp`` ranks on one mesh (``axon_nb.parallel.dims``): the model is cut
     into ``pp`` pipeline stages, each stage's layers are split over ``tp`` ranks, and each of
-    those is sharded over ``dp`` data-parallel ranks with FSDP (full_shard, ZeRO-3).
+    those is replicated or sharded over ``dp`` data-parallel ranks.
 
-    The degrees must multiply to the world size. Pipeline and tensor-parallel options are
-    those of :class:`Pipeline` and :class:`TensorParallel`.
+    The data-parallel axis is FSDP (``data_parallel="fsdp"``, with FSDP's ``sharding`` modes:
+    ``hybrid_shard`` shards within groups of ``shard_size`` and replicates across them) or
+    plain DDP replication (``data_parallel="ddp"``, without tensor parallelism: DDP does not
+    take DTensor parameters; ``sharding="no_shard"`` replicates with FSDP). The degrees must
+    multiply to the world size. Pipeline and tensor-parallel options are those of :class:`Pipeline` and
+    :class:`TensorParallel`.
 
     Example::
 
         from axon_nb import Hybrid
         cluster.train(model=GPT, data=ds, loss=lm_loss, steps=100, batch_size=32,
                       strategy=Hybrid(dp=2, tp=2, pp=2, microbatches=4))
+        Hybrid(dp=4, tp=2, sharding="hybrid_shard", shard_size=2)   # 2 replicas x 2 shards
     """
 
     name: ClassVar[str] = "hybrid"
 
     dp: int = 1
-    """Data-parallel degree (FSDP over these ranks)."""
+    """Data-parallel degree."""
     tp: int = 1
     """Tensor-parallel degree."""
     pp: int = 1
-    """Pipeline-parallel degree (stages, times ``virtual_stages``)."""
+    """Pipeline-parallel degree (ranks along the pipeline; stages are pp x virtual_stages)."""
+    data_parallel: str = "fsdp"
+    """``"fsdp"`` (sharded, with the options below) or ``"ddp"`` (replicated)."""
+    sharding: str = "full_shard"
+    """With FSDP: ``full_shard``, ``shard_grad_op``, ``no_shard`` or ``hybrid_shard``."""
+    shard_size: int | None = None
+    """With ``hybrid_shard``: ranks per shard group (required; it must divide ``dp``)."""
+    param_dtype: str | None = None
+    """With FSDP: compute dtype of gathered parameters."""
+    reduce_dtype: str | None = None
+    """With FSDP: dtype of gradient reduction."""
+    cpu_offload: bool = False
+    """With FSDP: keep shards on the CPU between uses (GPU ranks)."""
     plan: dict[str, str] | None = None
     """Tensor-parallel plan (see :class:`TensorParallel`)."""
     sequence_parallel: bool = False
     """Sequence parallelism in the tensor-parallel layers (not with ``pp > 1`` yet)."""
     microbatches: int = 4
+    """Pipeline micro-batches per step."""
     schedule: str = "1f1b"
+    """Pipeline schedule."""
     virtual_stages: int = 1
+    """Pipeline stages per rank."""
     split_points: tuple[int, ...] | None = None
+    """First layer index of every pipeline stage after the first."""
 
-    def __post_init__(self) -> None:
-        self._pipeline_config()  # checks the pipeline options
-        TensorParallel(plan=self.plan, sequence_parallel=self.sequence_parallel)
+    def problems(self) -> list[str]:
+        errors = Strategy.problems(self)
+        bad = [
+            f"{a}={getattr(self, a)!r}"
+            for a in ("dp", "tp", "pp")
+            if not positive(getattr(self, a))
+        ]
+        if bad:
+            errors.append(f"parallel degrees must be positive integers, got {', '.join(bad)}")
+        errors += self._tensor().problems() + self._pipeline().problems()
+        if self.data_parallel not in DATA_PARALLEL:
+            errors.append(f"data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
+        elif self.data_parallel == "ddp":
+            if self.tp > 1:
+                errors.append(
+                    "data_parallel='ddp' with tp > 1: PyTorch's DDP does not take tensor-parallel "
+                    "(DTensor) parameters. Replicate with data_parallel='fsdp', "
+                    "sharding='no_shard' instead"
+                )
+            set_here = [o for o in FSDP_ONLY if getattr(self, o) not in (None, False)]
+            if self.sharding != "full_shard":
+                set_here.insert(0, "sharding")
+            if set_here:
+                errors.append(
+                    f"{', '.join(set_here)} configure FSDP, but data_parallel='ddp' replicates "
+                    "whole models: remove them, or use data_parallel='fsdp'"
+                )
+        else:
+            errors += sharding_problems(self.sharding, self.shard_size) + self._fsdp().problems()
+            if self.sharding == "hybrid_shard" and self.shard_size is None:
+                errors.append("sharding='hybrid_shard' needs shard_size= (ranks per shard group)")
         if self.sequence_parallel and self.pp > 1:
-            raise ValueError(
+            errors.append(
                 "sequence_parallel with pipeline stages (pp > 1) is not supported yet: use "
                 "sequence_parallel=False, or pp=1"
             )
+        return errors
 
-    def _pipeline_config(self) -> Pipeline:
-        return Pipeline(
+    def dims(self, world_size: int, ranks_per_host: int = 1) -> ParallelDims:
+        if self.data_parallel == "ddp":
+            replicate, shard = self.dp, 1
+        else:
+            replicate, shard = split_data_parallel(self.dp, self.sharding, self.shard_size or 1)
+        return ParallelDims(
+            dp_replicate=replicate, dp_shard=shard, tp=self.tp, pp=self.pp, world_size=world_size
+        )
+
+    def config(self) -> ParallelConfig:
+        fsdp = self.data_parallel == "fsdp"
+        return ParallelConfig(
+            data_parallel=self.data_parallel if self.dp > 1 else "none",
+            ddp=None if fsdp else DDPConfig(),
+            fsdp=self._fsdp() if fsdp else None,
+            tensor=self._tensor(),
+            pipeline=self._pipeline(),
+            activation_checkpointing=self._checkpoint_every(),
+        )
+
+    def _fsdp(self) -> FSDPConfig:
+        return FSDPConfig(
+            reshard_after_forward=self.sharding != "shard_grad_op",
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            cpu_offload=self.cpu_offload,
+        )
+
+    def _tensor(self) -> TensorConfig:
+        return TensorConfig(plan=self.plan, sequence_parallel=self.sequence_parallel)
+
+    def _pipeline(self) -> PipelineConfig:
+        return PipelineConfig(
             microbatches=self.microbatches,
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             split_points=self.split_points,
         )
-
-    def _degrees(self, world_size: int) -> Any:
-        from axon_nb.parallel.dims import ParallelDims
-
-        return ParallelDims(dp=self.dp, tp=self.tp, pp=self.pp, world_size=world_size)
-
-    def check_world(self, world_size: int) -> None:
-        self._degrees(world_size)
-
-    def check_spec(self, spec: Any, world_size: int) -> None:
-        if self.pp > 1:
-            Pipeline.check_spec(self, spec, world_size)  # type: ignore[arg-type]
-
-    def data_parallel(self, rank: int, world_size: int) -> tuple[int, int]:
-        dims = self._degrees(world_size)
-        return dims.coords(rank)["dp"], dims.dp
-
-    def loss_share(self, rank: int, world_size: int) -> float:
-        return Pipeline.loss_share(self, rank, world_size)  # type: ignore[arg-type]
-
-    def parallelize(self, model: nn.Module, ctx: RankContext) -> nn.Module:
-        dims = self._degrees(ctx.world_size)
-        mesh = dims.build_mesh(ctx.device.type)
-        tensor = TensorParallel(plan=self.plan, sequence_parallel=self.sequence_parallel)
-
-        def prepare(root: nn.Module, parts: list[nn.Module]) -> list[nn.Module]:
-            if self.tp > 1:
-                owned = {n for part in parts for n, m in root.named_modules() if _inside(m, part)}
-                tensor.apply(root, mesh["tp"], owned)
-            if self.dp > 1:
-                parts = [_shard(part, mesh["dp"]) for part in parts]
-            return parts
-
-        if self.pp > 1:
-            return self._pipeline_config()._pipeline(model, ctx, dims, mesh, prepare)
-        return prepare(model, [model])[0]
-
-    def forward_backward(
-        self, model: nn.Module, microbatches: Sequence[Any], step: MicroStep
-    ) -> torch.Tensor:
-        if self.pp > 1:
-            return self._pipeline_config().forward_backward(model, microbatches, step)
-        return Strategy.forward_backward(self, model, microbatches, step)
-
-    def no_sync(self, model: nn.Module) -> Any:
-        import contextlib
-
-        from axon_nb.strategies.fsdp import FSDP
-
-        if self.dp > 1 and self.pp == 1:
-            return FSDP().no_sync(model)
-        return contextlib.nullcontext()
-
-    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
-        from axon_nb.parallel.grads import clip_grad_norm_
-
-        group = getattr(model, "pp_group", None)
-        return clip_grad_norm_(model.parameters(), max_norm, group=group)
-
-    def unwrap(self, model: nn.Module) -> nn.Module:
-        return getattr(model, "root", model)
-
-    def state_dict(self, model: nn.Module) -> dict[str, Any]:
-        """The whole model's parameters on every rank (a collective)."""
-        if self.pp > 1:
-            return self._pipeline_config().state_dict(model)
-        return {
-            k: v.full_tensor() if hasattr(v, "full_tensor") else v
-            for k, v in model.state_dict().items()
-        }
-
-    def report(self, model: nn.Module) -> dict[str, Any]:
-        return dict(getattr(model, "last_step", {}))
-
-    def get_state(self, model: nn.Module, optimizer: Any, *, full: bool) -> dict[str, Any]:
-        if self.pp > 1:
-            return self._pipeline_config().get_state(model, optimizer, full=full)
-        return Strategy.get_state(self, model, optimizer, full=full)
-
-    def set_state(self, model: nn.Module, optimizer: Any, state: dict[str, Any]) -> None:
-        if self.pp > 1:
-            return self._pipeline_config().set_state(model, optimizer, state)
-        return Strategy.set_state(self, model, optimizer, state)
-
-
-def _inside(module: nn.Module, part: nn.Module) -> bool:
-    return any(module is m for m in part.modules())
-
-
-def _shard(part: nn.Module, dp_mesh: Any) -> nn.Module:
-    """FSDP over the data-parallel ranks: each block of the part as a unit, then the part.
-
-    Blocks are the entries of the part's ``ModuleList`` (a whole model), or the layers of a
-    pipeline stage that hold parameters.
-    """
-    from torch import nn as torch_nn
-    from torch.distributed.fsdp import fully_shard
-
-    from axon_nb.parallel.fsdp import wrap_targets
-
-    units = wrap_targets(part, None, None)
-    if not units and isinstance(part, torch_nn.Sequential):
-        units = [layer for layer in part if any(True for _ in layer.parameters())]
-    for unit in units:
-        fully_shard(unit, mesh=dp_mesh)
-    fully_shard(part, mesh=dp_mesh)
-    return part

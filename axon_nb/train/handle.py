@@ -157,7 +157,7 @@ class TrainHandle:
                     "again, or stop() to end it at the next step"
                 )
             try:
-                parts = self._cluster._wait(
+                parts = self._cluster.wait(
                     self._ar, self._targets, stream=True, tick=self._tick, soft_stop_s=SOFT_STOP_S
                 )
             finally:

@@ -8,7 +8,7 @@ from typing import Any
 
 from axon_nb.strategies import SingleDevice
 from axon_nb.train.result import TrainResult, build_result
-from axon_nb.train.spec import SPEC_FIELDS, check_world, make_spec
+from axon_nb.train.spec import check_world, make_spec
 
 
 def train_local(
@@ -42,11 +42,27 @@ def train_local(
     """
     import torch
 
-    from axon_nb.engine import runtime
-    from axon_nb.engine.loop import run
+    from axon_nb.rank import runtime
+    from axon_nb.rank.loop import run
 
-    # Every keyword above that names a TrainSpec field goes into the spec.
-    spec = make_spec(SingleDevice, **{k: v for k, v in locals().items() if k in SPEC_FIELDS})
+    spec = make_spec(
+        SingleDevice,
+        model=model,
+        data=data,
+        strategy=strategy,
+        optimizer=optimizer,
+        loss=loss,
+        steps=steps,
+        batch_size=batch_size,
+        grad_accum=grad_accum,
+        mixed_precision=mixed_precision,
+        clip_grad_norm=clip_grad_norm,
+        schedule=schedule,
+        warmup_steps=warmup_steps,
+        seed=seed,
+        resume=resume,
+        name=name,
+    )
     check_world(spec, 1)
     ctx = runtime.RankContext(
         rank=0,

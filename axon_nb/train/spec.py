@@ -6,7 +6,7 @@ Pure Python (no torch import), so the kernel can build and validate it without t
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from axon_nb.strategies import Strategy, resolve_strategy
@@ -71,10 +71,6 @@ class TrainSpec:
         return dict(self.optimizer[1]) if isinstance(self.optimizer, tuple) else {}
 
 
-SPEC_FIELDS = frozenset(f.name for f in fields(TrainSpec))
-"""Keyword arguments of ``train()`` that belong to the spec."""
-
-
 def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
     """Build a :class:`TrainSpec` from ``train()`` keywords, raising ``ValueError`` on bad input."""
     kwargs["strategy"] = resolve_strategy(kwargs.get("strategy"), default_strategy)
@@ -86,22 +82,45 @@ def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
     return spec
 
 
-def check_world(spec: TrainSpec, world_size: int) -> None:
-    """Raise ``ValueError`` if the spec cannot run on ``world_size`` ranks (e.g. a batch that
-    does not split evenly over the data-parallel ranks)."""
-    spec.strategy.check_world(world_size)
-    _, replicas = spec.strategy.data_parallel(0, world_size)
-    per_step = replicas * spec.grad_accum
+def check_world(spec: TrainSpec, world_size: int, ranks_per_host: int = 1) -> None:
+    """Raise ``ValueError`` if the spec cannot run on ``world_size`` ranks: degrees that do
+    not fit, a batch that does not split evenly over the data-parallel ranks, a pipeline
+    without a loss or with micro-batches that do not divide its batch."""
+    dims = spec.strategy.dims(world_size, ranks_per_host)
+    config = spec.strategy.config()
+    per_step = dims.dp * spec.grad_accum
     if spec.batch_size % per_step:
         lower = max(per_step, spec.batch_size // per_step * per_step)
-        ranks = "world_size" if replicas == world_size else "data-parallel ranks"
+        ranks = "world_size" if dims.dp == world_size else "data-parallel ranks"
         raise ValueError(
             f"batch_size={spec.batch_size} is the global batch per optimizer step; it must be "
-            f"divisible by {ranks} x grad_accum = {replicas} x {spec.grad_accum} = "
+            f"divisible by {ranks} x grad_accum = {dims.dp} x {spec.grad_accum} = "
             f"{per_step} so every rank gets equal micro-batches. Use e.g. batch_size={lower} "
             f"or {lower + per_step}"
         )
-    spec.strategy.check_spec(spec, world_size)
+    if config.data_parallel in ("zero1", "zero2") and callable(spec.optimizer):
+        raise ValueError(
+            f"ZeRO stage {config.data_parallel[-1]} shards a named optimizer: pass "
+            "optimizer=('adamw', {...}), not a callable"
+        )
+    if dims.pp > 1 and config.pipeline is not None:
+        _check_pipeline(spec, dims.dp, config.pipeline.microbatches)
+
+
+def _check_pipeline(spec: TrainSpec, dp: int, microbatches: int) -> None:
+    if spec.loss is None:
+        raise ValueError(
+            "a pipeline computes the loss on its last stage: pass loss=loss(output, target) "
+            "(for axon_nb.models.GPT: loss=axon_nb.models.lm_loss)"
+        )
+    micro = spec.batch_size // (dp * spec.grad_accum)
+    if micro % microbatches:
+        options = [m for m in range(1, micro + 1) if micro % m == 0]
+        raise ValueError(
+            f"microbatches={microbatches} must divide the {micro} samples each pipeline "
+            f"runs per step (batch_size={spec.batch_size} / data-parallel ranks {dp} / "
+            f"grad_accum={spec.grad_accum}); use one of {options}"
+        )
 
 
 def _optimizer(value: Any) -> tuple[str, dict[str, Any]] | Callable[..., Any]:

@@ -14,7 +14,7 @@ ZeRO-3 / FSDP      16Ψ/N                 16Ψ/N
 
 Example::
 
-    axon_nb.memory.estimate(1_000_000, axon_nb.ZeRO(stage=1), world_size=4)["total"]
+    axon_nb.estimate.memory(1_000_000, axon_nb.ZeRO(stage=1), world_size=4)["total"]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ BYTES = {
 }
 
 
-def estimate(
+def memory(
     model_or_num_params: Any, strategy: Any, world_size: int, *, mixed_precision: bool = False
 ) -> dict[str, float]:
     """Per-rank bytes of ``params``, ``grads``, ``optimizer`` and their ``total`` for Adam.
@@ -59,24 +59,24 @@ def _num_params(value: Any) -> int:
 
 
 def _shards(strategy: Any, world_size: int) -> dict[str, int]:
-    """Over how many ranks each part of the model state is split."""
-    name = strategy if isinstance(strategy, str) else getattr(strategy, "name", "")
+    """Over how many ranks each part of the model state is split, from the strategy's layout."""
+    from axon_nb.strategies import SingleDevice, resolve_strategy
+
     whole = {"params": 1, "grads": 1, "optimizer": 1}
-    if name in ("ddp", "single_device"):
+    try:
+        strategy = resolve_strategy(strategy)
+    except ValueError:
+        strategy = None
+    if isinstance(strategy, SingleDevice):
         return whole
-    if name == "zero":
-        stage = getattr(strategy, "stage", 1)
-        return {
-            "params": world_size if stage >= 3 else 1,
-            "grads": world_size if stage >= 2 else 1,
-            "optimizer": world_size,
-        }
-    if name == "fsdp":
-        sharding = getattr(strategy, "sharding", "full_shard")
-        if sharding == "no_shard":
-            return whole
-        size = world_size
-        if sharding == "hybrid_shard":
-            size = getattr(strategy, "shard_size", None) or world_size
-        return {"params": size, "grads": size, "optimizer": size}
-    raise ValueError(f"no memory formula for strategy {strategy!r}: use ddp, zero or fsdp")
+    dims = strategy.dims(world_size, world_size) if strategy is not None else None
+    if dims is None or dims.tp > 1 or dims.pp > 1:
+        raise ValueError(f"no memory formula for strategy {strategy!r}: use ddp, zero or fsdp")
+    kind, shard = strategy.config().data_parallel, dims.dp_shard
+    return {
+        "none": whole,
+        "ddp": whole,
+        "zero1": {"params": 1, "grads": 1, "optimizer": shard},
+        "zero2": {"params": 1, "grads": shard, "optimizer": shard},
+        "fsdp": {"params": shard, "grads": shard, "optimizer": shard},
+    }[kind]

@@ -15,7 +15,7 @@ import os
 import socket
 from datetime import timedelta
 
-from axon_nb.engine import runtime
+from axon_nb.rank import runtime
 
 _world_sockets: dict[int, str] = {}
 """fd -> socket identity ("socket:[inode]") of the connections the current world opened."""

@@ -12,8 +12,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from axon_nb.engine import runtime, world
-from axon_nb.engine.placement import PlacementError, Probe, RankPlan, plan_world
+from axon_nb.rank import runtime, world
+from axon_nb.rank.placement import PlacementError, Probe, RankPlan, plan_world
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from axon_nb.checkpoint import FULL_STATE_FILE, Checkpoint
-from axon_nb.engine import runtime, trainstate
-from axon_nb.engine.trainstate import TrainState
-from axon_nb.strategies.base import init_optimizer_state
+from axon_nb.checkpoint.format import FULL_STATE_FILE, Checkpoint
+from axon_nb.parallel.activation_checkpoint import canonical_name
+from axon_nb.rank import runtime, trainstate
+from axon_nb.rank.trainstate import TrainState
 
 
 def save(name: str, path: str, partial: str, kind: str) -> int:
@@ -31,7 +31,7 @@ def save(name: str, path: str, partial: str, kind: str) -> int:
     """
     state = _run(name, "save")
     ctx = runtime.context()
-    tensors = state.strategy.get_state(state.model, state.optimizer, full=kind == "full")
+    tensors = state.parallel.get_state(state.optimizer, full=kind == "full")
     rng = _gather_rng(ctx)
     if kind == "full":
         if ctx.rank == 0:
@@ -77,12 +77,12 @@ def load(name: str, path: str) -> int:
         if with_optimizer:
             init_optimizer_state(state.optimizer)  # so the template has every state tensor
         # The run's own (sharded) state is the template: DCP reads into it, resharding.
-        tensors = state.strategy.get_state(state.model, state.optimizer, full=False)
+        tensors = state.parallel.get_state(state.optimizer, full=False)
         tensors["rng"] = {str(r): torch.get_rng_state() for r in range(ckpt.world_size)}
         dcp.load(tensors, checkpoint_id=path)
     if not with_optimizer:
         tensors["optimizer"] = None
-    state.strategy.set_state(state.model, state.optimizer, tensors)
+    state.parallel.set_state(state.optimizer, tensors)
     trainer = ckpt.trainer
     state.scheduler.load_state_dict(trainer["scheduler"])
     if state.scaler is not None and trainer["scaler"]:
@@ -95,10 +95,7 @@ def load(name: str, path: str) -> int:
 
 def model_shapes(module: nn.Module) -> dict[str, list[int]]:
     """Shape of every state-dict entry, by the name a checkpoint uses for it."""
-    return {
-        key.replace("_checkpoint_wrapped_module.", ""): list(value.shape)
-        for key, value in module.state_dict().items()
-    }
+    return {canonical_name(key): list(value.shape) for key, value in module.state_dict().items()}
 
 
 def _run(name: str, verb: str) -> TrainState:
@@ -184,3 +181,22 @@ def _complete(meta: Checkpoint, partial: str, path: str) -> None:
     os.rename(partial, path)
     if old is not None:
         shutil.rmtree(old)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (moments, step counters) with one step of zero gradients
+    at learning rate 0, if it has none yet; the parameters do not change. A sharded load reads
+    into the run's own state, so every state tensor must exist first."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own shard
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if local.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)

@@ -12,7 +12,8 @@ has written its part and the marker is on disk. An interrupted write therefore l
 ``.partial-`` directory and never a ``path`` that looks complete; replacing a checkpoint
 (``overwrite=True``) keeps the old one until the new one is complete.
 
-This module is plain Python (no torch): the kernel reads checkpoints with it too.
+Plain Python (no torch): the kernel checks and reads checkpoints with it, the ranks write
+the marker with it.
 """
 
 from __future__ import annotations

@@ -18,13 +18,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from axon_nb.engine import runtime, trainstate
-from axon_nb.engine.data import StepBatches, resolve_dataset
-from axon_nb.engine.trainstate import LRShape, TrainState
 from axon_nb.metrics import memory
 from axon_nb.metrics.comm import CommMeter
 from axon_nb.metrics.peak import PeakTracker
 from axon_nb.metrics.stream import MetricsPublisher
+from axon_nb.parallel.grad_scaler import GradScaler
+from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
+from axon_nb.rank import runtime, trainstate
+from axon_nb.rank.data import StepBatches, resolve_dataset
+from axon_nb.rank.trainstate import LRShape, TrainState
 from axon_nb.train.spec import OPTIMIZERS, TrainSpec
 
 
@@ -136,17 +138,18 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Ste
         return model, dataset, _batches(spec, ctx, dataset)
 
     model, dataset, batches = _agreed(ctx, build)
-    model = spec.strategy.parallelize(model.to(ctx.device), ctx)
-    optimizer = spec.strategy.build_optimizer(model, OptimizerFactory(spec))
+    dims = spec.strategy.dims(ctx.world_size, ctx.local_world_size)
+    parallel = parallelize(model.to(ctx.device), dims, spec.strategy.config(), ctx.device)
+    optimizer = parallel.build_optimizer(optimizer_factory(spec))
     lr_shape = LRShape(warmup_steps=spec.warmup_steps, horizon=spec.steps, shape=spec.schedule)
     state = TrainState(
         name=spec.name,
         strategy=spec.strategy,
-        model=model,
+        parallel=parallel,
         optimizer=optimizer,
         scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_shape),
         lr_shape=lr_shape,
-        scaler=torch.amp.GradScaler(ctx.device.type) if spec.mixed_precision == "fp16" else None,
+        scaler=_grad_scaler(ctx) if spec.mixed_precision == "fp16" else None,
         dataset=dataset,
     )
     torch.manual_seed(spec.seed + 1 + ctx.rank)  # dropout and friends differ across ranks
@@ -188,7 +191,8 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Step
 
 
 def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> StepBatches:
-    index, replicas = spec.strategy.data_parallel(ctx.rank, ctx.world_size)
+    dims = spec.strategy.dims(ctx.world_size, ctx.local_world_size)
+    index, replicas = dims.data_rank(ctx.rank)
     return StepBatches(
         dataset,
         batch_size=spec.batch_size,
@@ -200,23 +204,21 @@ def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> StepBat
     )
 
 
-class OptimizerFactory:
-    """Builds the run's optimizer; ``cls`` and ``kwargs`` are known for named optimizers
-    (sharding optimizers such as ZeRO need them), None and empty for a user callable."""
+def optimizer_factory(spec: TrainSpec) -> OptimizerFactory:
+    """The run's optimizer: a named ``torch.optim`` class with its settings, or the user's
+    callable."""
+    if callable(spec.optimizer):
+        return OptimizerFactory(make=spec.optimizer)
+    name, kwargs = spec.optimizer
+    return OptimizerFactory(getattr(torch.optim, OPTIMIZERS[name]), dict(kwargs))
 
-    def __init__(self, spec: TrainSpec) -> None:
-        self._callable = spec.optimizer if callable(spec.optimizer) else None
-        self.cls: type[torch.optim.Optimizer] | None = None
-        self.kwargs: dict[str, Any] = {}
-        if self._callable is None:
-            name, kwargs = spec.optimizer  # type: ignore[misc]
-            self.cls, self.kwargs = getattr(torch.optim, OPTIMIZERS[name]), dict(kwargs)
 
-    def __call__(self, params: Any) -> torch.optim.Optimizer:
-        if self._callable is not None:
-            return self._callable(params)
-        assert self.cls is not None
-        return self.cls(params, **self.kwargs)
+def _grad_scaler(ctx: runtime.RankContext) -> torch.amp.GradScaler:
+    """fp16 loss scaling; in a process group, ranks agree on skipping a step (each may see
+    only part of the gradients)."""
+    if dist.is_initialized():
+        return GradScaler(ctx.device.type)
+    return torch.amp.GradScaler(ctx.device.type)
 
 
 def _agreed(ctx: runtime.RankContext, fn: Any) -> Any:
@@ -256,7 +258,7 @@ class _Loop:
         self.micro = _MicroStep(spec, ctx, state.scaler)
         self.stopped = False
         self.memory: dict[str, int] = {}
-        self.loss_share = spec.strategy.loss_share(ctx.rank, ctx.world_size)
+        self.loss_share = state.parallel.dims.loss_share(ctx.rank)
         """Weight of this rank's loss in the global mean; 0 on a pipeline's earlier stages."""
         self.peak_bytes: int | None = None
         """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
@@ -310,7 +312,7 @@ class _Loop:
                 "comm": comm,
                 "comm_bytes": sum(int(c["bytes"]) for c in comm.values()),
                 "comm_time_s": sum(c["time_s"] for c in comm.values()),
-                **spec.strategy.report(state.model),
+                **state.parallel.report(),
             }
         )
         if publish and not (last or self.stopped):
@@ -319,18 +321,36 @@ class _Loop:
     def _update(self, microbatches: list[Any]) -> tuple[torch.Tensor, float | None]:
         """Forward, backward, clipping and the optimizer step; the loss and gradient norm."""
         spec, state = self.spec, self.state
-        loss = spec.strategy.forward_backward(state.model, microbatches, self.micro)
+        loss = self._forward_backward(microbatches)
         if state.scaler is not None:
             state.scaler.unscale_(state.optimizer)
         norm = None
         if spec.clip_grad_norm is not None:
-            norm = float(spec.strategy.clip_grad_norm(state.model, spec.clip_grad_norm))
+            norm = float(state.parallel.clip_grad_norm(spec.clip_grad_norm))
         if state.scaler is not None:
             state.scaler.step(state.optimizer)
             state.scaler.update()
         else:
             state.optimizer.step()
         return loss, norm
+
+    def _forward_backward(self, microbatches: list[Any]) -> torch.Tensor:
+        """Forward and backward over one step's micro-batches; their mean loss (detached).
+
+        Gradients are averaged over micro-batches; only the last one synchronises them.
+        """
+        parallel = self.state.parallel
+        if parallel.pipeline is not None:
+            return parallel.pipeline.step(microbatches, self.micro)
+        total = torch.zeros((), device=self.ctx.device)
+        for i, batch in enumerate(microbatches):
+            last = i == len(microbatches) - 1
+            with contextlib.nullcontext() if last else parallel.no_sync():
+                loss = self.micro.loss(parallel.model, batch)
+                self.micro.backward(loss / len(microbatches))
+            total = total + loss.detach()
+        parallel.finish_backward()
+        return total / len(microbatches)
 
     def _agree(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
         """One small all-reduce per step: the global mean loss, and whether any rank must stop.
@@ -387,7 +407,15 @@ class _MicroStep:
         return loss.float().reshape(())
 
     def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        self.scale(loss).backward()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (unchanged without fp16)."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def unscale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` divided by the fp16 loss scale (unchanged without fp16)."""
+        return loss / self.scaler.get_scale() if self.scaler is not None else loss
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)

@@ -6,12 +6,12 @@ from typing import Any
 
 import psutil
 
-from axon_nb.engine import runtime
+from axon_nb.rank import runtime
 
 
 def rank_status() -> dict[str, Any]:
     """This rank's placement and memory (bytes), plus the training runs it holds."""
-    from axon_nb.engine import trainstate
+    from axon_nb.rank import trainstate
 
     ctx = runtime.context()
     row: dict[str, Any] = {**ctx.summary(), "rss_bytes": psutil.Process().memory_info().rss}

@@ -11,8 +11,8 @@ import os
 import subprocess
 import sys
 
-from axon_nb.engine import runtime
-from axon_nb.engine.bootstrap import free_port
+from axon_nb.rank import runtime
+from axon_nb.rank.bootstrap import free_port
 
 TERMINATE_GRACE_S = 5.0
 

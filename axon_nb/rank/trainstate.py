@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from axon_nb.parallel.parallelize import ParallelModel
 from axon_nb.strategies import Strategy
 
 _STATES: dict[str, TrainState] = {}
@@ -20,8 +21,8 @@ class TrainState:
 
     name: str
     strategy: Strategy
-    model: nn.Module
-    """The model as the strategy trains it (e.g. wrapped in DDP)."""
+    parallel: ParallelModel
+    """The model as the strategy laid it out on this rank (see ``axon_nb.parallel``)."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     lr_shape: LRShape
@@ -32,9 +33,14 @@ class TrainState:
     """Optimizer steps taken so far, over all calls."""
 
     @property
+    def model(self) -> nn.Module:
+        """The model as this rank trains it (e.g. wrapped in DDP)."""
+        return self.parallel.model
+
+    @property
     def module(self) -> nn.Module:
         """The user's module inside the strategy's wrapping."""
-        return self.strategy.unwrap(self.model)
+        return self.parallel.root
 
 
 def get(name: str = "model") -> TrainState:
@@ -42,7 +48,7 @@ def get(name: str = "model") -> TrainState:
 
     Example (in a ``%%axon`` cell)::
 
-        from axon_nb.engine import trainstate
+        from axon_nb.rank import trainstate
         trainstate.get("model").optimizer.param_groups[0]["lr"]
     """
     if name not in _STATES:

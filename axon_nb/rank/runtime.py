@@ -64,7 +64,7 @@ def context() -> RankContext:
 
     Example (in a ``%%axon`` cell)::
 
-        from axon_nb.engine.runtime import context
+        from axon_nb.rank.runtime import context
         print(context().local_rank)
     """
     if _CONTEXT is None:

@@ -1,0 +1,9 @@
+"""Checkpoints (kernel side): the on-disk format, and ``save`` / ``load`` over a cluster.
+
+The ranks' side of writing and reading is ``axon_nb.rank.checkpoint_io``.
+"""
+
+from axon_nb.checkpoint.format import Checkpoint
+from axon_nb.checkpoint.on_cluster import load, save
+
+__all__ = ["Checkpoint", "load", "save"]

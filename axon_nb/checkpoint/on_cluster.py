@@ -1,0 +1,60 @@
+"""``save`` and ``load``: a training run's checkpoint, written and read by a cluster's ranks."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import TYPE_CHECKING
+
+from axon_nb.checkpoint.format import Checkpoint, check_save_target
+from axon_nb.cluster.waiting import results
+from axon_nb.rank import entry
+
+if TYPE_CHECKING:
+    from axon_nb.cluster import Cluster
+
+
+def save(
+    cluster: Cluster,
+    path: str | os.PathLike[str],
+    kind: str = "full",
+    *,
+    name: str = "model",
+    overwrite: bool = False,
+) -> Checkpoint:
+    """Save training run ``name`` (model, optimizer, step, schedule) as a checkpoint.
+
+    ``kind="full"``: the state is gathered and rank 0 writes one file (``torch.save``);
+    ``kind="sharded"``: every rank writes its shards with ``torch.distributed.checkpoint``,
+    which can be loaded on a different number of ranks. The checkpoint only appears at
+    ``path`` once complete; an existing one is replaced only with ``overwrite=True``, and
+    only after the new one is complete. ``cluster.save(...)`` is the same call. Example::
+
+        cluster.train(model=make_gpt, data=ds, strategy=FSDP(), steps=100)
+        cluster.save("ckpt/step100", kind="sharded")
+    """
+    target = check_save_target(path, kind, overwrite)
+    partial = f"{target}.partial-{uuid.uuid4().hex[:12]}"
+    targets = cluster.targets()
+    ar = cluster.view(targets).apply_async(entry.save_checkpoint, name, target, partial, kind)
+    results(cluster.wait(ar, targets, stream=True))
+    return Checkpoint.read(target)
+
+
+def load(cluster: Cluster, path: str | os.PathLike[str], *, name: str = "model") -> Checkpoint:
+    """Load a checkpoint into training run ``name``; ``train(..., resume=True)`` continues.
+
+    The run must exist, built with the checkpoint's model and optimizer (``steps=0`` builds
+    one without training); any strategy and number of ranks works for a sharded
+    checkpoint. Loading reads tensors only (``weights_only=True``). A checkpoint that does
+    not fit the run changes nothing. ``cluster.load(...)`` is the same call. Example::
+
+        cluster.train(model=make_gpt, data=ds, strategy=FSDP(), steps=0)
+        cluster.load("ckpt/step100")
+        cluster.train(steps=100, batch_size=32, resume=True)
+    """
+    ckpt = Checkpoint.read(path)  # missing or incomplete: refused before any rank is asked
+    targets = cluster.targets()
+    ar = cluster.view(targets).apply_async(entry.load_checkpoint, name, ckpt.path)
+    results(cluster.wait(ar, targets, stream=True))
+    return ckpt

@@ -1,0 +1,118 @@
+"""Bringing a started engine set to a joined world: waiting for engines to connect (and
+noticing ranks that exit first), then having every rank join the torch world."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ipyparallel as ipp
+import psutil
+
+from axon_nb.cluster.options import ClusterOptions
+from axon_nb.cluster.waiting import results
+from axon_nb.errors import ClusterStartError, RankError
+from axon_nb.rank import entry
+from axon_nb.rank.bootstrap import BootstrapSpec
+from axon_nb.rank.placement import PlacementError, plan_world
+
+RANK_GONE_S = 2.0
+"""While starting, a rank process missing this long under its MPI proxy has exited."""
+
+Wait = Callable[[ipp.AsyncResult, list[int]], dict[int, ipp.AsyncResult]]
+"""Waits for one message per rank (``Cluster.wait`` with the start timeout)."""
+
+
+def wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, options: ClusterOptions) -> None:
+    """Wait for all engines to connect, failing fast when a local rank process has exited."""
+    n, timeout = options.n, options.start_timeout
+    started = time.monotonic()
+    short_since: float | None = None
+    while len(client.ids) < n:
+        now = time.monotonic()
+        alive = local_rank_processes(cluster) if options.engines == "mpi" else None
+        short_since = (short_since or now) if alive is not None and alive < n else None
+        stopped = any(launcher.state == "after" for launcher in cluster.engines.values())
+        # Spawning takes milliseconds; a rank missing for a while has exited.
+        if stopped or (short_since and now - short_since > RANK_GONE_S):
+            raise ClusterStartError(
+                f"a rank exited while starting ({len(client.ids)} of {n} engines "
+                f"connected){launcher_output(cluster)}"
+            )
+        if now - started > timeout:
+            raise ClusterStartError(
+                f"only {len(client.ids)} of {n} engines connected within "
+                f"{timeout:.0f} s{launcher_output(cluster)}"
+            )
+        time.sleep(0.2)
+
+
+def local_rank_processes(cluster: ipp.Cluster) -> int | None:
+    """Rank processes alive under this host's MPI proxies; None where they are not visible."""
+    count, seen_proxy = 0, False
+    for launcher in cluster.engines.values():
+        try:
+            for child in psutil.Process(launcher.pid).children():
+                if child.name().startswith("hydra_pmi_proxy"):
+                    seen_proxy = True
+                    count += sum(c.status() != psutil.STATUS_ZOMBIE for c in child.children())
+        except psutil.Error:
+            continue
+    return count if seen_proxy else None
+
+
+def join_world(client: ipp.Client, options: ClusterOptions, wait: Wait) -> list[dict[str, Any]]:
+    """Every rank joins the torch world; their summaries in rank order."""
+    spec = BootstrapSpec(backend=options.backend, gpus=options.gpus, timeout_s=options.timeout)
+    targets = sorted(client.ids)
+    try:
+        if options.engines == "mpi":
+            ar = _view(client, targets).apply_async(entry.bootstrap_mpi, spec)
+            summaries = results(wait(ar, targets))
+        else:
+            summaries = _join_planned_by_kernel(client, spec, targets, wait)
+    except RankError as e:
+        if e.ename == "PlacementError":
+            raise ClusterStartError(e.evalue) from None
+        raise ClusterStartError(f"rank {e.rank} failed to start: {e}\n{e.traceback}") from None
+    mismatched = [(t, s["rank"]) for t, s in zip(targets, summaries, strict=True) if t != s["rank"]]
+    if mismatched:
+        raise ClusterStartError(f"engine ids and ranks differ: {mismatched}")
+    return summaries
+
+
+def _join_planned_by_kernel(
+    client: ipp.Client, spec: BootstrapSpec, targets: list[int], wait: Wait
+) -> list[dict[str, Any]]:
+    """Engines without MPI: all on this host; the kernel plans, each rank joins."""
+    probes = results(
+        wait(_view(client, targets).apply_async(entry.probe_by_engine_id, len(targets)), targets)
+    )
+    try:
+        plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
+    except PlacementError as e:
+        raise ClusterStartError(str(e)) from None
+    ars = [client[t].apply_async(entry.join_world, plans[t], spec.timeout_s) for t in targets]
+    merged = ipp.AsyncResult(client, [m for a in ars for m in a.msg_ids], targets=targets)
+    return results(wait(merged, targets))
+
+
+def launcher_output(cluster: ipp.Cluster | None) -> str:
+    """The tail of what the engine launcher (mpiexec) printed, to explain a failed start."""
+    if cluster is None:
+        return ""
+    tails = []
+    for launcher in cluster.engines.values():
+        try:
+            text = launcher.get_output()
+        except Exception:
+            continue
+        lines = [ln for ln in text.splitlines() if "[IPEngine" not in ln][-15:]
+        if lines:
+            tails.append("\n".join(lines))
+    return ("\nengine launcher output:\n" + "\n".join(tails)) if tails else ""
+
+
+def _view(client: ipp.Client, targets: list[int]) -> ipp.DirectView:
+    return client[targets[0] if len(targets) == 1 else targets]

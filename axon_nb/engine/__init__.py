@@ -1,1 +1,0 @@
-"""Code that runs on the ranks (ipyparallel engines). Never imports widgets."""

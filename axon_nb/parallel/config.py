@@ -1,0 +1,164 @@
+"""``ParallelConfig``: the options ``parallelize`` honours, one typed group per technique.
+
+Strategies (``axon_nb.strategies``) are what users write; each maps to a ``ParallelDims`` and
+one of these. Pure Python, like ``dims.py``: strategies check their options with the
+``problems()`` methods here, in the kernel, before anything is sent to the ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+DATA_PARALLEL = ("none", "ddp", "fsdp", "zero1", "zero2")
+"""How the data-parallel axes hold the model: not at all, replicated (DDP), sharded (FSDP),
+or whole with sharded optimizer state (ZeRO-1) and gradients too (ZeRO-2)."""
+COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
+DTYPES = (None, "bf16", "fp16", "fp32")
+TP_STYLES = ("colwise", "rowwise")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DDPConfig:
+    """``DistributedDataParallel`` over the data-parallel ranks (also ZeRO-1's gradients)."""
+
+    bucket_cap_mb: float = 25.0
+    """Gradient bucket size in MiB."""
+    find_unused_parameters: bool = False
+    """Allow parameters that get no gradient in some steps."""
+    static_graph: bool = False
+    """Promise the set of used parameters never changes."""
+    comm_hook: str | None = None
+    """Gradient compression: None, ``"fp16"``, ``"bf16"`` or ``"powersgd"``."""
+    powersgd_rank: int = 1
+    """Rank of PowerSGD's low-rank approximation."""
+    powersgd_start_step: int = 10
+    """Steps of plain all-reduce before PowerSGD starts compressing."""
+
+    def problems(self) -> list[str]:
+        errors = []
+        if self.comm_hook not in COMM_HOOKS:
+            errors.append(
+                f"comm_hook must be None, 'fp16', 'bf16' or 'powersgd', got {self.comm_hook!r}"
+            )
+        if not _number(self.bucket_cap_mb) or not self.bucket_cap_mb > 0:
+            errors.append(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        if not _positive(self.powersgd_rank):
+            errors.append(f"powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
+        if not _positive(self.powersgd_start_step) or self.powersgd_start_step < 2:
+            errors.append(
+                f"powersgd_start_step must be an integer >= 2 (PowerSGD needs plain all-reduce "
+                f"steps first), got {self.powersgd_start_step!r}"
+            )
+        return errors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FSDPConfig:
+    """FSDP2 ``fully_shard`` over the data-parallel ranks (2-D mesh for hybrid sharding)."""
+
+    reshard_after_forward: bool = True
+    """Free gathered parameters after forward (regather in backward)."""
+    param_dtype: str | None = None
+    """Compute dtype of gathered parameters, or None (as stored)."""
+    reduce_dtype: str | None = None
+    """Dtype of gradient reduction, or None (the parameter dtype)."""
+    cpu_offload: bool = False
+    """Keep shards on the CPU between uses (GPU ranks)."""
+    auto_wrap: tuple[str, ...] | None = None
+    """Class names of the submodules sharded as their own units."""
+    min_params: int | None = None
+    """Instead of classes: leaf modules with at least this many parameters become units."""
+
+    def problems(self) -> list[str]:
+        errors = []
+        for name in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in DTYPES:
+                errors.append(f"{name} must be 'bf16', 'fp16', 'fp32' or None, got {value!r}")
+        if self.min_params is not None and not _positive(self.min_params):
+            errors.append(f"min_params must be a positive integer, got {self.min_params!r}")
+        return errors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorConfig:
+    """Tensor parallelism over the ``tp`` axis."""
+
+    plan: dict[str, str] | None = None
+    """Module-name pattern -> ``"colwise"`` | ``"rowwise"``; None: the default plan."""
+    sequence_parallel: bool = False
+    """Shard norms (and the residual stream) along the sequence between parallel layers."""
+
+    def problems(self) -> list[str]:
+        if self.plan is None:
+            return []
+        if not isinstance(self.plan, dict):
+            return [f"plan maps module-name patterns to 'colwise' or 'rowwise'; got {self.plan!r}"]
+        bad = {k: v for k, v in self.plan.items() if v not in TP_STYLES}
+        if bad:
+            return [f"plan maps module-name patterns to 'colwise' or 'rowwise'; got {bad!r}"]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineConfig:
+    """Pipeline stages over the ``pp`` axis."""
+
+    microbatches: int = 4
+    """Micro-batches each step's batch is split into."""
+    schedule: str = "1f1b"
+    """``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``."""
+    virtual_stages: int = 1
+    """Stages per rank (``interleaved_1f1b`` needs at least 2)."""
+    split_points: tuple[int, ...] | None = None
+    """First layer index of every stage after the first, instead of balancing."""
+
+    def problems(self) -> list[str]:
+        errors = []
+        if self.schedule not in SCHEDULES:
+            errors.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if not _positive(self.microbatches):
+            errors.append(f"microbatches must be a positive integer, got {self.microbatches!r}")
+        if not _positive(self.virtual_stages):
+            errors.append(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
+        elif self.schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            errors.append(
+                "schedule='interleaved_1f1b' interleaves several stages per rank: pass "
+                "virtual_stages >= 2 (or use schedule='1f1b' for one stage per rank)"
+            )
+        elif self.schedule != "interleaved_1f1b" and self.virtual_stages != 1:
+            errors.append(
+                f"virtual_stages={self.virtual_stages} needs schedule='interleaved_1f1b'; "
+                f"{self.schedule!r} runs one stage per rank"
+            )
+        return errors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """Everything ``parallelize`` applies besides the degrees (see ``parallelize.py``)."""
+
+    data_parallel: str = "none"
+    """One of :data:`DATA_PARALLEL`."""
+    ddp: DDPConfig | None = None
+    """Options of ``data_parallel="ddp"`` and ``"zero1"``."""
+    fsdp: FSDPConfig | None = None
+    """Options of ``data_parallel="fsdp"``."""
+    bucket_cap_mb: float = 25.0
+    """ZeRO-2's gradient bucket size in MiB."""
+    tensor: TensorConfig | None = None
+    """Options of tensor parallelism (used when ``tp > 1``)."""
+    pipeline: PipelineConfig | None = None
+    """Options of the pipeline (used when ``pp > 1``)."""
+    activation_checkpointing: int = 0
+    """Recompute every n-th block's activations in backward; 0: off."""
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)

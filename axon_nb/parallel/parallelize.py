@@ -1,0 +1,281 @@
+"""``parallelize``: every technique applied to a model in one fixed order, on every rank.
+
+The order, and why::
+
+    1. tensor parallel        replaces Linear weights with DTensors; everything after wraps them
+    2. activation checkpoint  wraps blocks, so stages hold and FSDP shards the wrapped blocks
+    3. pipeline split         keeps this rank's stages, frees the other layers
+    4. data parallel          FSDP | DDP | ZeRO-1 | ZeRO-2 over the data-parallel axes, per stage
+
+The result, :class:`ParallelModel`, answers everything the training loop and checkpoints ask
+of a layout (no_sync, the optimizer, clipping, full and sharded state), in one place.
+
+Example::
+
+    strategy = FSDP()
+    dims = strategy.dims(world_size=4)
+    parallel = parallelize(model, dims, strategy.config(), torch.device("cpu"))
+    optimizer = parallel.build_optimizer(OptimizerFactory(...))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from axon_nb.parallel import pipeline, zero1
+from axon_nb.parallel.activation_checkpoint import apply_activation_checkpointing, canonical_name
+from axon_nb.parallel.config import ParallelConfig, PipelineConfig, TensorConfig
+from axon_nb.parallel.ddp import apply_ddp
+from axon_nb.parallel.dims import ParallelDims
+from axon_nb.parallel.fsdp import apply_fsdp
+from axon_nb.parallel.grads import clip_grad_norm_
+from axon_nb.parallel.pipeline import PipelinedModel
+from axon_nb.parallel.tensor import apply_tp
+from axon_nb.parallel.zero2 import GradShardedModel
+
+
+def parallelize(
+    model: nn.Module, dims: ParallelDims, config: ParallelConfig, device: torch.device
+) -> ParallelModel:
+    """Apply ``config`` to ``model`` (already on ``device``) over the mesh of ``dims``."""
+    mesh = dims.mesh(device.type) if dist.is_initialized() else None
+    dp_group = dims.dp_mesh(device.type).get_group() if mesh is not None else None
+    coords = dims.coords(dist.get_rank() if dist.is_initialized() else 0)
+    piped = dims.pp > 1
+    if piped:
+        bounds, mine = pipeline.plan_stages(
+            model, coords["pp"], dims.pp, config.pipeline or PipelineConfig()
+        )
+    if dims.tp > 1:
+        owned = pipeline.owned_module_names(model, bounds, mine) if piped else None
+        apply_tp(model, mesh["tp"], config.tensor or TensorConfig(), owned)
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model, config.activation_checkpointing)
+    parts = pipeline.cut_stages(model, bounds, mine) if piped else [model]
+    parts = [_data_parallel(part, dims, config, mesh, dp_group, device) for part in parts]
+    if piped:
+        trained: nn.Module = PipelinedModel(
+            model,
+            parts,
+            mine,
+            num_stages=len(bounds) - 1,
+            config=config.pipeline or PipelineConfig(),
+            device=device,
+            group=mesh["pp"].get_group(),
+        )
+    else:
+        trained = parts[0]
+    return ParallelModel(
+        model=trained, root=model, dims=dims, config=config, mesh=mesh, dp_group=dp_group
+    )
+
+
+def _data_parallel(
+    part: nn.Module,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    mesh: Any,
+    dp_group: Any,
+    device: torch.device,
+) -> nn.Module:
+    """Step 4: ``part`` replicated or sharded over the data-parallel ranks."""
+    kind = config.data_parallel
+    if kind in ("ddp", "zero1"):
+        assert config.ddp is not None
+        return apply_ddp(part, dp_group, device, config.ddp)
+    if kind == "zero2":
+        return GradShardedModel(part, dp_group, bucket_cap_mb=config.bucket_cap_mb)
+    if kind == "fsdp":
+        assert config.fsdp is not None
+        # Hybrid sharding: shard within dp_shard, replicate across dp_replicate (2-D mesh).
+        replicated = dims.dp_replicate > 1
+        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicated else mesh["dp_shard"]
+        return apply_fsdp(part, fsdp_mesh, config.fsdp)
+    return part
+
+
+@dataclass(eq=False)
+class ParallelModel:
+    """A model as ``parallelize`` laid it out on this rank, and what training asks of it."""
+
+    model: nn.Module
+    """What the loop trains: the user's module, DDP, FSDP-sharded, ZeRO-2 or pipelined."""
+    root: nn.Module
+    """The user's module (in a pipeline, other ranks' layers are on the meta device)."""
+    dims: ParallelDims
+    config: ParallelConfig
+    mesh: Any
+    """The ``DeviceMesh`` over all ranks, or None without a process group."""
+    dp_group: Any
+    """The process group of this rank's data-parallel ranks (None without a process group)."""
+
+    @property
+    def pipeline(self) -> PipelinedModel | None:
+        """The pipelined model when ``pp > 1``."""
+        return self.model if isinstance(self.model, PipelinedModel) else None
+
+    @property
+    def data_parallel(self) -> str:
+        return self.config.data_parallel
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Context for micro-steps whose gradients are only accumulated locally."""
+        if self.pipeline is not None:
+            return contextlib.nullcontext()  # stages synchronise through their schedule
+        if self.data_parallel in ("ddp", "zero1", "zero2"):
+            return self.model.no_sync()  # type: ignore[operator,return-value]
+        if self.data_parallel == "fsdp":
+            return _without_gradient_sync(self.model)
+        return contextlib.nullcontext()
+
+    def finish_backward(self) -> None:
+        """After a step's last backward: wait for gradient reductions still in flight."""
+        if isinstance(self.model, GradShardedModel):
+            self.model.finish_backward()
+
+    def build_optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer over this rank's parameters (sharded for ZeRO-1 and ZeRO-2)."""
+        if self.data_parallel in ("zero1", "zero2"):
+            if factory.cls is None:
+                stage = self.data_parallel[-1]
+                raise ValueError(
+                    f"ZeRO stage {stage} shards a named optimizer: pass "
+                    "optimizer=('adamw', {...}), not a callable"
+                )
+            if isinstance(self.model, GradShardedModel):
+                return self.model.build_optimizer(factory.cls, **factory.kwargs)
+            return zero1.build_optimizer(
+                self.model.parameters(), factory.cls, factory.kwargs, self.dp_group
+            )
+        return factory(self.model.parameters())
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the norm of the whole model's gradients, wherever their pieces are."""
+        if isinstance(self.model, GradShardedModel):
+            return clip_grad_norm_(self.model.shards(), max_norm, group=self.dp_group)
+        group = self.pipeline.group if self.pipeline is not None else None
+        return clip_grad_norm_(self.model.parameters(), max_norm, group=group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's state dict with the user's names, on every rank (a collective)."""
+        if self.pipeline is not None:
+            return pipeline.gather_state(self.pipeline)
+        return {
+            canonical_name(k): v.full_tensor() if hasattr(v, "full_tensor") else v
+            for k, v in self.root.state_dict().items()
+        }
+
+    def get_state(self, optimizer: torch.optim.Optimizer, *, full: bool) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}`` keyed by parameter name (a collective).
+
+        ``full=True``: gathered, unsharded tensors on the CPU (with FSDP only rank 0's copy is
+        complete). ``full=False``: this rank's shards as DTensors (or whole tensors where
+        nothing is sharded), for ``torch.distributed.checkpoint``, which reshards on load.
+        ZeRO-1/2 and pipelines always give the unsharded layout, so their checkpoints load on
+        any number of ranks and any cut.
+        """
+        if self.pipeline is not None:
+            return {
+                "model": pipeline.gather_state(self.pipeline),
+                "optimizer": pipeline.gather_optimizer_state(self.pipeline, optimizer),
+            }
+        if self.data_parallel in ("zero1", "zero2"):
+            model_state = {canonical_name(k): v.detach() for k, v in self.root.state_dict().items()}
+            if full:
+                model_state = {k: v.cpu().clone() for k, v in model_state.items()}
+            return {"model": model_state, "optimizer": self._zero_optimizer_state(optimizer)}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+        model_state, optim_state = get_state_dict(self.model, optimizer, options=options)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def set_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Load what :meth:`get_state` returned (full, or loaded shards); an ``"optimizer"`` of
+        None leaves the optimizer as it is."""
+        if self.pipeline is not None:
+            pipeline.load_full_state(self.pipeline, optimizer, state)
+            return
+        if self.data_parallel in ("zero1", "zero2"):
+            with torch.no_grad():
+                own = self.root.state_dict(keep_vars=True)
+                for name, tensor in own.items():  # into the (bucket) storage, in place
+                    tensor.copy_(state["model"][canonical_name(name)])
+            if state["optimizer"] is not None:
+                self._load_zero_optimizer_state(optimizer, state["optimizer"])
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        sharded = any(hasattr(v, "device_mesh") for v in state["model"].values())
+        options = StateDictOptions(full_state_dict=not sharded)
+        set_model_state_dict(self.model, state["model"], options=options)
+        if state["optimizer"] is not None:
+            set_optimizer_state_dict(self.model, optimizer, state["optimizer"], options=options)
+
+    def report(self) -> dict[str, Any]:
+        """Layout-specific figures of this step for the metrics stream (pipeline timing)."""
+        return dict(self.pipeline.last_step) if self.pipeline is not None else {}
+
+    def _names(self) -> list[str]:
+        return [canonical_name(n) for n, _ in self.root.named_parameters()]
+
+    def _zero_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if isinstance(self.model, GradShardedModel):
+            ids = {id(p): canonical_name(n) for n, p in self.root.named_parameters()}
+            return self.model.full_optimizer_state(optimizer, ids)
+        return zero1.full_optimizer_state(optimizer, self._names(), self.dp_group)  # type: ignore[arg-type]
+
+    def _load_zero_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, named: dict[str, Any]
+    ) -> None:
+        if isinstance(self.model, GradShardedModel):
+            ids = {id(p): canonical_name(n) for n, p in self.root.named_parameters()}
+            self.model.load_full_optimizer_state(optimizer, named, ids)
+            return
+        zero1.load_optimizer_state(optimizer, named, self._names())  # type: ignore[arg-type]
+
+
+class OptimizerFactory:
+    """Builds a run's optimizer; ``cls`` and ``kwargs`` are known for named optimizers
+    (ZeRO-1/2 need them to shard it), None and empty for a user's callable.
+
+    Example::
+
+        OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3})(model.parameters())
+    """
+
+    def __init__(
+        self,
+        cls: type[torch.optim.Optimizer] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        make: Callable[[Any], torch.optim.Optimizer] | None = None,
+    ) -> None:
+        self.cls = cls
+        self.kwargs = dict(kwargs or {})
+        self._make = make
+
+    def __call__(self, params: Any) -> torch.optim.Optimizer:
+        if self._make is not None:
+            return self._make(params)
+        assert self.cls is not None
+        return self.cls(params, **self.kwargs)
+
+
+@contextlib.contextmanager
+def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)  # type: ignore[operator]

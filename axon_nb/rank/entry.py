@@ -1,0 +1,102 @@
+"""Every function the kernel sends to the ranks, in one list.
+
+The kernel calls these through ipyparallel (``view.apply_async(entry.train, ...)``); each
+imports what it runs only when it runs, on the rank, so importing this module (as the kernel
+does, to pickle references to these functions) imports no torch.
+
+Nothing else on the rank side is called from the kernel.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from axon_nb.rank.bootstrap import BootstrapSpec
+    from axon_nb.rank.placement import Probe, RankPlan
+
+
+# -- joining the world ----------------------------------------------------------------------
+
+
+def bootstrap_mpi(spec: BootstrapSpec) -> dict[str, Any]:
+    """Under MPI: find rank, host and device among the ranks and join the torch world."""
+    from axon_nb.rank import bootstrap
+
+    return bootstrap.bootstrap_mpi(spec)
+
+
+def probe_by_engine_id(world_size: int) -> Probe:
+    """Without MPI: this engine's facts, taking its engine id as its rank (all on one host)."""
+    from IPython import get_ipython
+
+    from axon_nb.rank import bootstrap
+
+    rank = int(get_ipython().kernel.engine_id)  # ipyparallel engines expose their id here
+    return bootstrap.probe(rank, rank, world_size)
+
+
+def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
+    """Without MPI: join the torch world as the kernel planned."""
+    from axon_nb.rank import bootstrap
+
+    return bootstrap.join_world(plan, timeout_s)
+
+
+def free_port() -> int:
+    """A free TCP port on this rank's host (for a new rendezvous)."""
+    from axon_nb.rank import bootstrap
+
+    return bootstrap.free_port()
+
+
+def reform(master_port: int) -> dict[str, object]:
+    """Leave the current process group and join a fresh one on ``master_port``."""
+    from axon_nb.rank import world
+
+    return world.reform(master_port)
+
+
+def sever() -> int:
+    """Make this rank's pending collectives fail (its peers have left them)."""
+    from axon_nb.rank import world
+
+    return world.sever()
+
+
+# -- work -----------------------------------------------------------------------------------
+
+
+def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
+    """Run a training spec (pickled) to the end; this rank's summary."""
+    from axon_nb.rank import loop
+
+    return loop.train_on_rank(spec_bytes, run_id)
+
+
+def save_checkpoint(name: str, path: str, partial: str, kind: str) -> int:
+    """Write run ``name``'s checkpoint (every rank takes part); the step saved."""
+    from axon_nb.rank import checkpoint_io
+
+    return checkpoint_io.save(name, path, partial, kind)
+
+
+def load_checkpoint(name: str, path: str) -> int:
+    """Load the checkpoint at ``path`` into run ``name``; the step loaded."""
+    from axon_nb.rank import checkpoint_io
+
+    return checkpoint_io.load(name, path)
+
+
+def run_script(path: str, args: list[str], cwd: str) -> int:
+    """Run a torchrun-style script as a child process of this rank; its exit code."""
+    from axon_nb.rank import script
+
+    return script.run_script(path, args, cwd)
+
+
+def rank_status() -> dict[str, Any]:
+    """This rank's placement, memory and training runs (``%axon_status``)."""
+    from axon_nb.rank import rank_status
+
+    return rank_status.rank_status()
