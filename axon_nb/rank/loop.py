@@ -25,6 +25,7 @@ from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.parallel.grad_scaler import GradScaler
 from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
 from axon_nb.rank import runtime, trainstate
+from axon_nb.rank.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data import StepBatches, resolve_dataset
 from axon_nb.rank.trainstate import LRShape, TrainState
 from axon_nb.train.spec import OPTIMIZERS, TrainSpec
@@ -67,10 +68,12 @@ def run(
         },
         interval_s=spec.metrics_interval_s,
     )
-    loop = _Loop(spec, ctx, state, publisher)
+    loop = _Loop(spec, ctx, state, publisher, run_id)
     try:
         with loop.meter.installed(), StopSignal() as stop:
             loop.run(batches, stop)
+            if loop.checkpoints is not None:
+                loop.checkpoints.close()
     except BaseException as e:
         loop.publish("failed", error=f"{type(e).__name__}: {e}")
         raise
@@ -86,6 +89,7 @@ def run(
         "memory": loop.memory,
         "comm_totals": loop.meter.totals(),
         "elapsed_s": time.monotonic() - loop.started,
+        "checkpoint": loop.checkpoints.last if loop.checkpoints is not None else None,
     }
     return summary, state
 
@@ -252,6 +256,7 @@ class _Loop:
         ctx: runtime.RankContext,
         state: TrainState,
         publisher: MetricsPublisher,
+        run_id: str,
     ) -> None:
         self.spec, self.ctx, self.state, self.publisher = spec, ctx, state, publisher
         self.meter = CommMeter()
@@ -263,6 +268,16 @@ class _Loop:
         self.peak_bytes: int | None = None
         """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
         self.started = time.monotonic()
+        self.checkpoints: PeriodicCheckpoints | None = None
+        if spec.checkpoint_dir is not None:
+            self.checkpoints = PeriodicCheckpoints(
+                spec.checkpoint_dir,
+                steps=spec.checkpoint_every,
+                seconds=spec.checkpoint_every_s,
+                keep=spec.keep,
+                ctx=ctx,
+                run_id=run_id,
+            )
 
     def run(self, batches: StepBatches, stop: StopSignal) -> None:
         # A step's time runs from the end of the previous one, so it includes loading its
@@ -296,7 +311,13 @@ class _Loop:
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         state.step += 1
-        global_loss, self.stopped = self._agree(loss, stop.requested)
+        every = self.checkpoints
+        written, time_due = (every.written(), every.time_due()) if every else (False, False)
+        global_loss, self.stopped, all_written, time_due = self._agree(
+            loss, stop.requested, written, time_due
+        )
+        if every is not None:
+            every.after_agreement(all_written, time_due, state, last=last or self.stopped)
         elapsed = time.perf_counter() - started
         comm = self.meter.take()
         self.publisher.add(
@@ -352,21 +373,26 @@ class _Loop:
         parallel.finish_backward()
         return total / len(microbatches)
 
-    def _agree(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
-        """One small all-reduce per step: the global mean loss, and whether any rank must stop.
+    def _agree(
+        self, loss: torch.Tensor, stop: bool, written: bool, time_due: bool
+    ) -> tuple[float, bool, bool, bool]:
+        """One small all-reduce per step: the global mean loss; whether any rank must stop;
+        whether every rank's background checkpoint write is done; whether any rank's clock
+        says a checkpoint is due.
 
         Every rank leaves at the same step boundary, so none is left inside a collective.
         """
         if self.ctx.world_size == 1:
-            return float(loss), stop
-        both = torch.stack(
-            [loss.float() * self.loss_share, torch.tensor(float(stop), device=loss.device)]
-        )
+            return float(loss), stop, written, time_due
+        flags = torch.tensor([float(stop), float(written), float(time_due)], device=loss.device)
+        both = torch.cat([(loss.float() * self.loss_share).reshape(1), flags])
         dist.all_reduce(both)
-        total, stops = both.tolist()
-        return total, stops > 0
+        total, stops, writes, due = both.tolist()
+        return total, stops > 0, writes == self.ctx.world_size, due > 0
 
     def publish(self, status: str, **fields: Any) -> None:
+        if self.checkpoints is not None:
+            fields["checkpoint"] = self.checkpoints.last
         self.publisher.publish(
             status,
             step=self.state.step,
