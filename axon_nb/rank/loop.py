@@ -7,10 +7,7 @@ also used in one process by ``axon_nb.train_local``.
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 import time
-from types import FrameType
 from typing import Any
 
 import cloudpickle
@@ -27,17 +24,18 @@ from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
 from axon_nb.rank import runtime, trainstate
 from axon_nb.rank.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data import StepBatches, resolve_dataset
+from axon_nb.rank.interrupts import StopSignal
 from axon_nb.rank.trainstate import LRShape, TrainState
 from axon_nb.train.spec import OPTIMIZERS, TrainSpec
 
 
-def train_on_rank(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
+def train_on_rank(spec_bytes: bytes, run_id: str, stop: StopSignal) -> dict[str, Any]:
     """Engine entry point: unpickle the spec, train, stream metrics, return this rank's summary."""
     from ipyparallel.datapub import publish_data
     from IPython import get_ipython
 
     spec: TrainSpec = cloudpickle.loads(spec_bytes)
-    summary, state = run(spec, runtime.context(), sink=publish_data, run_id=run_id)
+    summary, state = run(spec, runtime.context(), sink=publish_data, run_id=run_id, stop=stop)
     shell = get_ipython()
     if state is not None and shell is not None:
         shell.user_ns[spec.name] = state.model  # the next %%axon cell can evaluate it
@@ -45,38 +43,49 @@ def train_on_rank(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
 
 
 def run(
-    spec: TrainSpec, ctx: runtime.RankContext, *, sink: Any, run_id: str
+    spec: TrainSpec,
+    ctx: runtime.RankContext,
+    *,
+    sink: Any,
+    run_id: str,
+    stop: StopSignal | None = None,
 ) -> tuple[dict[str, Any], TrainState | None]:
     """Train on this rank as ``spec`` says; returns this rank's summary and the training state.
+
+    ``stop``: an active :class:`StopSignal` the caller entered earlier (so an interrupt during
+    imports before this call counts too); by default one is entered here.
 
     When another rank fails while setting up, this one returns ``{"aborted": [ranks]}`` and
     no state, so only the failing rank reports an error.
     """
-    try:
-        state, batches = _prepare(spec, ctx)
-    except _PeerFailed as e:
-        return {"rank": ctx.rank, "aborted": e.ranks}, None
-    start_step = state.step
-    publisher = MetricsPublisher(
-        sink,
-        header={
-            "run": run_id,
-            "name": spec.name,
-            "rank": ctx.rank,
-            "start_step": start_step,
-            "total_steps": start_step + spec.steps,
-        },
-        interval_s=spec.metrics_interval_s,
-    )
-    loop = _Loop(spec, ctx, state, publisher, run_id)
-    try:
-        with loop.meter.installed(), StopSignal() as stop:
-            loop.run(batches, stop)
-            if loop.checkpoints is not None:
-                loop.checkpoints.close()
-    except BaseException as e:
-        loop.publish("failed", error=f"{type(e).__name__}: {e}")
-        raise
+    # The first Ctrl-C during setup waits for setup to end (every rank finishes its
+    # collectives) and stops the run at its first step boundary; a second one interrupts.
+    with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
+        try:
+            state, batches = _prepare(spec, ctx)
+        except _PeerFailed as e:
+            return {"rank": ctx.rank, "aborted": e.ranks}, None
+        start_step = state.step
+        publisher = MetricsPublisher(
+            sink,
+            header={
+                "run": run_id,
+                "name": spec.name,
+                "rank": ctx.rank,
+                "start_step": start_step,
+                "total_steps": start_step + spec.steps,
+            },
+            interval_s=spec.metrics_interval_s,
+        )
+        loop = _Loop(spec, ctx, state, publisher, run_id)
+        try:
+            with loop.meter.installed():
+                loop.run(batches, stop)
+                if loop.checkpoints is not None:
+                    loop.checkpoints.close()
+        except BaseException as e:
+            loop.publish("failed", error=f"{type(e).__name__}: {e}")
+            raise
     status = "stopped" if loop.stopped else "finished"
     loop.publish(status)
     summary = {
@@ -92,31 +101,6 @@ def run(
         "checkpoint": loop.checkpoints.last if loop.checkpoints is not None else None,
     }
     return summary, state
-
-
-class StopSignal:
-    """While active, the first SIGINT asks to stop at the next step boundary; a second one
-    raises ``KeyboardInterrupt`` as usual. ``cluster.train``'s Ctrl-C and ``handle.stop()``
-    both arrive as SIGINT.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._saved: Any = None
-
-    def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._saved = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._saved is not None:
-            signal.signal(signal.SIGINT, self._saved)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
 
 
 class _PeerFailed(Exception):
