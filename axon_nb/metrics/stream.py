@@ -23,6 +23,8 @@ Schema ``axon_nb.metrics/1`` (all sizes in bytes, all times in seconds)::
                                # optimizer_bytes, rss_bytes, peak_bytes (once the first step
                                # ran) [, cuda_allocated, cuda_reserved, cuda_peak]
       "comm_totals": {kind: {"bytes", "time_s", "count"}},   # since the call started
+      "checkpoint": {"step": int, "path": str} | None,  # with train(checkpoint_dir=...):
+                               # the newest complete periodic checkpoint of this call
       "records": [             # recent steps, oldest first
         {
           "step": int,           # global step number (1-based) this record ends

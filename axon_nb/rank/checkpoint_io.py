@@ -200,3 +200,30 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):
         group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
+
+
+def describe(
+    state: TrainState, ctx: runtime.RankContext, path: str, kind: str, tensors: dict[str, Any]
+) -> Checkpoint:
+    """The marker of a checkpoint of ``state`` taken now (``tensors``: what ``get_state`` gave)."""
+    return Checkpoint(
+        path=path,
+        kind=kind,
+        name=state.name,
+        step=state.step,
+        world_size=ctx.world_size,
+        strategy=state.strategy.describe(),
+        optimizer=_optimizer_class(state.optimizer),
+        model=model_shapes(state.module),
+        trainer=_trainer_state(state, bool(tensors["optimizer"].get("state"))),
+    )
+
+
+def gather_rng(ctx: runtime.RankContext) -> dict[str, torch.Tensor]:
+    """Every rank's CPU random-number state, by rank (a collective)."""
+    return _gather_rng(ctx)
+
+
+def complete(meta: Checkpoint, partial: str, path: str) -> None:
+    """(Rank 0, once every part is on disk) mark ``partial`` complete and move it to ``path``."""
+    _complete(meta, partial, path)

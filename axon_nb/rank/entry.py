@@ -67,25 +67,39 @@ def sever() -> int:
 # -- work -----------------------------------------------------------------------------------
 
 
-def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
-    """Run a training spec (pickled) to the end; this rank's summary."""
-    from axon_nb.rank import loop
+# Work that imports and builds things runs with Ctrl-C held back during imports (see
+# rank/interrupts.py): an interrupt mid-import would break the module for good.
 
-    return loop.train_on_rank(spec_bytes, run_id)
+
+def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
+    """Run a training spec (pickled) to the end; this rank's summary. A first Ctrl-C from
+    here on (imports and setup included) stops the run at a step boundary."""
+    from axon_nb.rank.interrupts import StopSignal
+
+    with StopSignal() as stop:
+        from axon_nb.rank import loop
+
+        return loop.train_on_rank(spec_bytes, run_id, stop)
 
 
 def save_checkpoint(name: str, path: str, partial: str, kind: str) -> int:
     """Write run ``name``'s checkpoint (every rank takes part); the step saved."""
-    from axon_nb.rank import checkpoint_io
+    from axon_nb.rank.interrupts import import_safe_interrupts
 
-    return checkpoint_io.save(name, path, partial, kind)
+    with import_safe_interrupts():
+        from axon_nb.rank import checkpoint_io
+
+        return checkpoint_io.save(name, path, partial, kind)
 
 
 def load_checkpoint(name: str, path: str) -> int:
     """Load the checkpoint at ``path`` into run ``name``; the step loaded."""
-    from axon_nb.rank import checkpoint_io
+    from axon_nb.rank.interrupts import import_safe_interrupts
 
-    return checkpoint_io.load(name, path)
+    with import_safe_interrupts():
+        from axon_nb.rank import checkpoint_io
+
+        return checkpoint_io.load(name, path)
 
 
 def run_script(path: str, args: list[str], cwd: str) -> int:

@@ -7,10 +7,7 @@ also used in one process by ``axon_nb.train_local``.
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 import time
-from types import FrameType
 from typing import Any
 
 import cloudpickle
@@ -25,18 +22,20 @@ from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.parallel.grad_scaler import GradScaler
 from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
 from axon_nb.rank import runtime, trainstate
+from axon_nb.rank.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data import StepBatches, resolve_dataset
+from axon_nb.rank.interrupts import StopSignal
 from axon_nb.rank.trainstate import LRShape, TrainState
 from axon_nb.train.spec import OPTIMIZERS, TrainSpec
 
 
-def train_on_rank(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
+def train_on_rank(spec_bytes: bytes, run_id: str, stop: StopSignal) -> dict[str, Any]:
     """Engine entry point: unpickle the spec, train, stream metrics, return this rank's summary."""
     from ipyparallel.datapub import publish_data
     from IPython import get_ipython
 
     spec: TrainSpec = cloudpickle.loads(spec_bytes)
-    summary, state = run(spec, runtime.context(), sink=publish_data, run_id=run_id)
+    summary, state = run(spec, runtime.context(), sink=publish_data, run_id=run_id, stop=stop)
     shell = get_ipython()
     if state is not None and shell is not None:
         shell.user_ns[spec.name] = state.model  # the next %%axon cell can evaluate it
@@ -44,36 +43,49 @@ def train_on_rank(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
 
 
 def run(
-    spec: TrainSpec, ctx: runtime.RankContext, *, sink: Any, run_id: str
+    spec: TrainSpec,
+    ctx: runtime.RankContext,
+    *,
+    sink: Any,
+    run_id: str,
+    stop: StopSignal | None = None,
 ) -> tuple[dict[str, Any], TrainState | None]:
     """Train on this rank as ``spec`` says; returns this rank's summary and the training state.
+
+    ``stop``: an active :class:`StopSignal` the caller entered earlier (so an interrupt during
+    imports before this call counts too); by default one is entered here.
 
     When another rank fails while setting up, this one returns ``{"aborted": [ranks]}`` and
     no state, so only the failing rank reports an error.
     """
-    try:
-        state, batches = _prepare(spec, ctx)
-    except _PeerFailed as e:
-        return {"rank": ctx.rank, "aborted": e.ranks}, None
-    start_step = state.step
-    publisher = MetricsPublisher(
-        sink,
-        header={
-            "run": run_id,
-            "name": spec.name,
-            "rank": ctx.rank,
-            "start_step": start_step,
-            "total_steps": start_step + spec.steps,
-        },
-        interval_s=spec.metrics_interval_s,
-    )
-    loop = _Loop(spec, ctx, state, publisher)
-    try:
-        with loop.meter.installed(), StopSignal() as stop:
-            loop.run(batches, stop)
-    except BaseException as e:
-        loop.publish("failed", error=f"{type(e).__name__}: {e}")
-        raise
+    # The first Ctrl-C during setup waits for setup to end (every rank finishes its
+    # collectives) and stops the run at its first step boundary; a second one interrupts.
+    with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
+        try:
+            state, batches = _prepare(spec, ctx)
+        except _PeerFailed as e:
+            return {"rank": ctx.rank, "aborted": e.ranks}, None
+        start_step = state.step
+        publisher = MetricsPublisher(
+            sink,
+            header={
+                "run": run_id,
+                "name": spec.name,
+                "rank": ctx.rank,
+                "start_step": start_step,
+                "total_steps": start_step + spec.steps,
+            },
+            interval_s=spec.metrics_interval_s,
+        )
+        loop = _Loop(spec, ctx, state, publisher, run_id)
+        try:
+            with loop.meter.installed():
+                loop.run(batches, stop)
+                if loop.checkpoints is not None:
+                    loop.checkpoints.close()
+        except BaseException as e:
+            loop.publish("failed", error=f"{type(e).__name__}: {e}")
+            raise
     status = "stopped" if loop.stopped else "finished"
     loop.publish(status)
     summary = {
@@ -86,33 +98,9 @@ def run(
         "memory": loop.memory,
         "comm_totals": loop.meter.totals(),
         "elapsed_s": time.monotonic() - loop.started,
+        "checkpoint": loop.checkpoints.last if loop.checkpoints is not None else None,
     }
     return summary, state
-
-
-class StopSignal:
-    """While active, the first SIGINT asks to stop at the next step boundary; a second one
-    raises ``KeyboardInterrupt`` as usual. ``cluster.train``'s Ctrl-C and ``handle.stop()``
-    both arrive as SIGINT.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._saved: Any = None
-
-    def __enter__(self) -> StopSignal:
-        if threading.current_thread() is threading.main_thread():
-            self._saved = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._saved is not None:
-            signal.signal(signal.SIGINT, self._saved)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
 
 
 class _PeerFailed(Exception):
@@ -252,6 +240,7 @@ class _Loop:
         ctx: runtime.RankContext,
         state: TrainState,
         publisher: MetricsPublisher,
+        run_id: str,
     ) -> None:
         self.spec, self.ctx, self.state, self.publisher = spec, ctx, state, publisher
         self.meter = CommMeter()
@@ -263,6 +252,16 @@ class _Loop:
         self.peak_bytes: int | None = None
         """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
         self.started = time.monotonic()
+        self.checkpoints: PeriodicCheckpoints | None = None
+        if spec.checkpoint_dir is not None:
+            self.checkpoints = PeriodicCheckpoints(
+                spec.checkpoint_dir,
+                steps=spec.checkpoint_every,
+                seconds=spec.checkpoint_every_s,
+                keep=spec.keep,
+                ctx=ctx,
+                run_id=run_id,
+            )
 
     def run(self, batches: StepBatches, stop: StopSignal) -> None:
         # A step's time runs from the end of the previous one, so it includes loading its
@@ -296,7 +295,13 @@ class _Loop:
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         state.step += 1
-        global_loss, self.stopped = self._agree(loss, stop.requested)
+        every = self.checkpoints
+        written, time_due = (every.written(), every.time_due()) if every else (False, False)
+        global_loss, self.stopped, all_written, time_due = self._agree(
+            loss, stop.requested, written, time_due
+        )
+        if every is not None:
+            every.after_agreement(all_written, time_due, state, last=last or self.stopped)
         elapsed = time.perf_counter() - started
         comm = self.meter.take()
         self.publisher.add(
@@ -352,21 +357,26 @@ class _Loop:
         parallel.finish_backward()
         return total / len(microbatches)
 
-    def _agree(self, loss: torch.Tensor, stop: bool) -> tuple[float, bool]:
-        """One small all-reduce per step: the global mean loss, and whether any rank must stop.
+    def _agree(
+        self, loss: torch.Tensor, stop: bool, written: bool, time_due: bool
+    ) -> tuple[float, bool, bool, bool]:
+        """One small all-reduce per step: the global mean loss; whether any rank must stop;
+        whether every rank's background checkpoint write is done; whether any rank's clock
+        says a checkpoint is due.
 
         Every rank leaves at the same step boundary, so none is left inside a collective.
         """
         if self.ctx.world_size == 1:
-            return float(loss), stop
-        both = torch.stack(
-            [loss.float() * self.loss_share, torch.tensor(float(stop), device=loss.device)]
-        )
+            return float(loss), stop, written, time_due
+        flags = torch.tensor([float(stop), float(written), float(time_due)], device=loss.device)
+        both = torch.cat([(loss.float() * self.loss_share).reshape(1), flags])
         dist.all_reduce(both)
-        total, stops = both.tolist()
-        return total, stops > 0
+        total, stops, writes, due = both.tolist()
+        return total, stops > 0, writes == self.ctx.world_size, due > 0
 
     def publish(self, status: str, **fields: Any) -> None:
+        if self.checkpoints is not None:
+            fields["checkpoint"] = self.checkpoints.last
         self.publisher.publish(
             status,
             step=self.state.step,

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cloudpickle
@@ -11,8 +12,9 @@ import cloudpickle
 from axon_nb.rank import entry
 from axon_nb.strategies import DDP
 from axon_nb.train.handle import TrainHandle
+from axon_nb.train.recovery import train_with_restarts
 from axon_nb.train.result import TrainResult
-from axon_nb.train.spec import check_world, make_spec
+from axon_nb.train.spec import TrainSpec, check_world, make_spec
 from axon_nb.widgets.frontend import in_notebook
 
 if TYPE_CHECKING:
@@ -38,6 +40,11 @@ def train(
     resume: bool = False,
     name: str = "model",
     metrics_interval_s: float = 0.5,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_every_s: float | None = None,
+    keep: int | None = None,
+    max_restarts: int = 0,
     block: bool = True,
 ) -> TrainResult | TrainHandle:
     """Train ``model`` on every rank of ``cluster`` with ``strategy`` (default ``DDP()``).
@@ -47,6 +54,11 @@ def train(
     trained model stays on the ranks as ``name`` (a ``%%axon`` cell can evaluate it), and
     ``resume=True`` continues it (model, optimizer, step, data order), taking new optimizer
     settings such as ``optimizer=("adamw", {"lr": 1e-4})``.
+
+    With ``checkpoint_dir``, a sharded checkpoint is written there every ``checkpoint_every``
+    steps and/or ``checkpoint_every_s`` seconds, in the background (only the newest ``keep``
+    stay); with ``max_restarts``, a rank that dies makes the kernel restart the ranks, load
+    the newest checkpoint and train on to the same step count (``result.restarts``).
 
     Returns a :class:`TrainResult`, or with ``block=False`` a :class:`TrainHandle` at once.
     Ctrl-C stops every rank at the same step boundary and returns the result so far.
@@ -79,13 +91,43 @@ def train(
         resume=resume,
         name=name,
         metrics_interval_s=metrics_interval_s,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        checkpoint_every_s=checkpoint_every_s,
+        keep=keep,
+        max_restarts=max_restarts,
     )
+    check_world(spec, len(cluster.targets()), cluster.ranks_per_host)
+    if spec.max_restarts:
+        if not block:
+            raise ValueError(
+                "max_restarts needs block=True: the kernel waits for the run to restart it"
+            )
+        if spec.model is None or spec.data is None:
+            raise ValueError(
+                "max_restarts rebuilds the run on fresh ranks: pass model= and data= (also "
+                "with resume=True)"
+            )
+
+        def start(continued: TrainSpec, notes: list[str]) -> TrainHandle:
+            return start_run(cluster, continued, show=in_notebook(), notes=notes)
+
+        return train_with_restarts(cluster, spec, start)
+    handle = start_run(cluster, spec, show=block and in_notebook())
+    return handle.wait() if block else handle
+
+
+def start_run(
+    cluster: Cluster, spec: TrainSpec, *, show: bool, notes: Sequence[str] = ()
+) -> TrainHandle:
+    """Send ``spec`` to every rank and return the run's handle at once."""
     targets = cluster.targets()
-    check_world(spec, len(targets), cluster.ranks_per_host)
     run = uuid.uuid4().hex[:12]
     ar = cluster.view(targets).apply_async(entry.train, cloudpickle.dumps(spec), run)
     handle = TrainHandle(cluster, ar, targets, spec, run)
+    for note in notes:
+        handle.dashboard.note(note)
     cluster.last_run = handle
-    if block and in_notebook():
+    if show:
         handle.show()
-    return handle.wait() if block else handle
+    return handle

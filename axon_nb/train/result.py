@@ -65,6 +65,11 @@ class TrainResult:
     ``per_rank`` (``loss``, ``step_time_s``, ``comm_bytes``, ``comm_time_s`` lists by rank)."""
     ranks: list[dict[str, Any]]
     """Per rank: ``device``, ``memory`` (bytes), ``comm_totals`` (per kind), ``elapsed_s``."""
+    checkpoint: dict[str, Any] | None = None
+    """With ``checkpoint_dir``: the newest complete periodic checkpoint (``step``, ``path``)."""
+    restarts: list[dict[str, Any]] = field(default_factory=list)
+    """With ``max_restarts``: each recovery (``error``, ``failed_at_step``, ``resumed_from``,
+    ``seconds``), oldest first; ``history`` runs on through them as one."""
     model: Any = field(default=None, repr=False)
     """``train_local`` only: the trained module itself."""
     dashboard: Any = field(default=None, repr=False)
@@ -144,6 +149,7 @@ def build_result(
         start_step=summaries[0]["start_step"],
         step=summaries[0]["step"],
         history=merge_records(by_rank),
+        checkpoint=summaries[0].get("checkpoint"),
         ranks=[
             {k: s[k] for k in ("rank", "device", "memory", "comm_totals", "elapsed_s")}
             for s in summaries

@@ -5,6 +5,7 @@ Pure Python (no torch import), so the kernel can build and validate it without t
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,17 @@ class TrainSpec:
     """Variable name of the trained model in the ranks' namespace (``%%axon`` cells)."""
     metrics_interval_s: float = 0.5
     """Seconds between metrics publications from each rank (0 disables streaming)."""
+    checkpoint_dir: str | None = None
+    """Directory of periodic checkpoints (``step-00000050``, ...); None: none are taken."""
+    checkpoint_every: int | None = None
+    """With ``checkpoint_dir``: take a checkpoint every this many steps."""
+    checkpoint_every_s: float | None = None
+    """With ``checkpoint_dir``: take one when this many seconds passed since the last."""
+    keep: int | None = None
+    """Keep only the newest ``keep`` complete periodic checkpoints (None: keep all)."""
+    max_restarts: int = 0
+    """When a rank dies, restart the ranks and resume from the newest checkpoint in
+    ``checkpoint_dir``, at most this many times."""
 
     @property
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -75,6 +87,8 @@ def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
     """Build a :class:`TrainSpec` from ``train()`` keywords, raising ``ValueError`` on bad input."""
     kwargs["strategy"] = resolve_strategy(kwargs.get("strategy"), default_strategy)
     kwargs["optimizer"] = _optimizer(kwargs.get("optimizer"))
+    if kwargs.get("checkpoint_dir") is not None:
+        kwargs["checkpoint_dir"] = os.path.abspath(os.fspath(kwargs["checkpoint_dir"]))
     spec = TrainSpec(**kwargs)
     errors = _check(spec)
     if errors:
@@ -171,4 +185,32 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append(f"name must be a Python identifier (a variable on the ranks): {spec.name!r}")
     if spec.metrics_interval_s < 0:
         errors.append(f"metrics_interval_s must be >= 0, got {spec.metrics_interval_s!r}")
+    return errors + _check_checkpoints(spec)
+
+
+def _check_checkpoints(spec: TrainSpec) -> list[str]:
+    errors = []
+    every, seconds = spec.checkpoint_every, spec.checkpoint_every_s
+    if every is not None and (not isinstance(every, int) or isinstance(every, bool) or every < 1):
+        errors.append(f"checkpoint_every must be an integer >= 1 (steps), got {every!r}")
+    if seconds is not None and not (isinstance(seconds, int | float) and seconds > 0):
+        errors.append(f"checkpoint_every_s must be a number of seconds > 0, got {seconds!r}")
+    if spec.keep is not None and (not isinstance(spec.keep, int) or spec.keep < 1):
+        errors.append(f"keep must be an integer >= 1 (checkpoints kept), got {spec.keep!r}")
+    if not isinstance(spec.max_restarts, int) or spec.max_restarts < 0:
+        errors.append(f"max_restarts must be an integer >= 0, got {spec.max_restarts!r}")
+    if spec.checkpoint_dir is None:
+        needs = [n for n in ("checkpoint_every", "checkpoint_every_s", "keep") if getattr(spec, n)]
+        if spec.max_restarts:
+            needs.append("max_restarts (it resumes from the newest checkpoint)")
+        if needs:
+            errors.append(
+                f"{', '.join(needs)} need checkpoint_dir=: the directory periodic checkpoints "
+                "go to, e.g. checkpoint_dir='ckpt/run1'"
+            )
+    elif every is None and seconds is None:
+        errors.append(
+            "checkpoint_dir= needs checkpoint_every= (steps) and/or checkpoint_every_s= "
+            "(seconds): how often to take a checkpoint"
+        )
     return errors

@@ -111,9 +111,11 @@ function render({ model, el: root }) {
     const span = Math.max(1, (p.total || 0) - (p.start || 0));
     bar.value = Math.min(1, ((p.step || 0) - (p.start || 0)) / span);
     const eta = model.get("frozen") ? "done" : `ETA ${seconds(p.eta_s)}`;
+    const saved = p.checkpoint ? ` · checkpoint at step ${p.checkpoint.step}` : "";
+    const notes = (p.notes || []).length ? ` · ${p.notes.join(" · ")}` : "";
     progressText.textContent =
       `step ${p.step || 0} / ${p.total || 0} · ${seconds(p.elapsed_s || 0)} · ${eta} · ` +
-      `${Math.round(p.samples_per_s || 0)} samples/s`;
+      `${Math.round(p.samples_per_s || 0)} samples/s${saved}${notes}`;
     progressText.setAttribute("data-step", p.step || 0);
   }
 

@@ -33,6 +33,8 @@ class DashboardState:
         self.max_points = max_points
         self.latest: dict[int, dict[str, Any]] = {}
         self.errors: dict[int, str] = {}
+        self.notes: list[str] = []
+        """Events of the run shown beside its progress (e.g. a restart after a failure)."""
         self.peaks: dict[int, int] = {}
         self.steps: list[int] = []
         self.loss: list[float] = []
@@ -102,7 +104,8 @@ class DashboardState:
         """Step (slowest rank), total, elapsed, ETA and throughput."""
         if not self.latest:
             return {"step": 0, "total": 0, "start": 0, "elapsed_s": 0.0, "eta_s": None,
-                    "samples_per_s": 0.0}  # fmt: skip
+                    "samples_per_s": 0.0, "checkpoint": None,
+                    "notes": list(self.notes)}  # fmt: skip
         messages = list(self.latest.values())
         step = min(m["step"] for m in messages)
         start = messages[0]["start_step"]
@@ -113,7 +116,8 @@ class DashboardState:
         eta = (total - step) / rate if rate else None
         throughput = self._recent_throughput()
         return {"step": step, "total": total, "start": start, "elapsed_s": elapsed,
-                "eta_s": eta if step < total else 0.0, "samples_per_s": throughput}  # fmt: skip
+                "eta_s": eta if step < total else 0.0, "samples_per_s": throughput,
+                "checkpoint": messages[0].get("checkpoint"), "notes": list(self.notes)}  # fmt: skip
 
     def memory(self) -> list[dict[str, Any]]:
         """Per rank: ``held`` (model-state bytes or CUDA allocated), ``peak``, and the parts."""

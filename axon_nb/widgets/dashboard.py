@@ -82,6 +82,12 @@ class Dashboard(anywidget.AnyWidget):
             self.state.freeze()
             self._refresh(full=True)
 
+    def note(self, text: str) -> None:
+        """Show an event of the run (a restart, say) beside its progress."""
+        with self._lock:
+            self.state.notes.append(text)
+            self._refresh(full=False)
+
     # -- export ----------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:

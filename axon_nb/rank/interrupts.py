@@ -1,0 +1,110 @@
+"""Ctrl-C on a rank that never lands inside an import, and that stops training politely.
+
+A ``KeyboardInterrupt`` raised while a module is being imported for the first time leaves it
+half-initialised in ``sys.modules``: every later use fails until the process restarts (torch
+imports sympy lazily, during a run's first steps). While :func:`import_safe_interrupts` is
+active, a SIGINT that arrives inside an import is held back and raised as soon as the import
+is over (re-checked every ``RETRY_S``), or when the guarded block ends.
+
+Example::
+
+    with import_safe_interrupts():
+        model = build_model()       # Ctrl-C here waits for any import in progress
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from types import FrameType
+from typing import Any
+
+RETRY_S = 0.05
+"""How soon a held-back interrupt is tried again."""
+
+
+def in_import(frame: FrameType | None) -> bool:
+    """True when ``frame`` (a signal handler's) is executing inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Guard:
+    def __init__(self) -> None:
+        self.active = True
+        self.pending = False
+
+    def handle(self, signum: int, frame: FrameType | None) -> None:
+        if not in_import(frame):
+            self.pending = False
+            raise KeyboardInterrupt
+        self.pending = True
+        threading.Timer(RETRY_S, self._retry).start()
+
+    def _retry(self) -> None:
+        if self.active and self.pending:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+@contextlib.contextmanager
+def import_safe_interrupts() -> Iterator[None]:
+    """SIGINT raises ``KeyboardInterrupt`` as usual, except never inside an import."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    guard = _Guard()
+    saved: Any = signal.signal(signal.SIGINT, guard.handle)
+    try:
+        yield
+    finally:
+        guard.active = False
+        signal.signal(signal.SIGINT, saved)
+    if guard.pending:  # it arrived in an import that ended with the block
+        raise KeyboardInterrupt
+
+
+class StopSignal:
+    """While active, the first SIGINT asks to stop at the next step boundary (the training
+    loop reads ``requested``); a second one raises ``KeyboardInterrupt``, except inside an
+    import (it is tried again once the import is over). ``cluster.train``'s Ctrl-C and
+    ``handle.stop()`` both arrive as SIGINT.
+
+    Example::
+
+        with StopSignal() as stop:
+            while not stop.requested:
+                step()
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._saved: Any = None
+
+    def __enter__(self) -> StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            self._saved = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            signal.signal(signal.SIGINT, self._saved)
+            self._saved = None
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if not self.requested:
+            self.requested = True
+            return
+        if in_import(frame):  # never leave a module half-imported: try again shortly
+            threading.Timer(RETRY_S, self._retry).start()
+            return
+        raise KeyboardInterrupt
+
+    def _retry(self) -> None:
+        if self._saved is not None:
+            os.kill(os.getpid(), signal.SIGINT)

@@ -1,0 +1,125 @@
+"""Never lose a training run: periodic checkpoints during train, and automatic restart and
+resume after a rank is killed, ending exactly where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from equivalence import full_params
+
+import axon_nb
+from axon_nb import DDP, FSDP, Hybrid, Pipeline, ZeRO
+from axon_nb.checkpoint.series import checkpoints
+from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
+
+CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=32, vocab_size=64)
+ARGS: dict[str, Any] = dict(
+    model=lambda: GPT(CONFIG),
+    data=token_dataset,
+    loss=lm_loss,
+    steps=24,
+    batch_size=16,
+    optimizer=("adamw", {"lr": 3e-3}),
+    seed=0,
+)
+
+
+def test_periodic_checkpoints_are_kept_and_resume_exactly(
+    cluster: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    whole = cluster.train(**ARGS)
+    expected = cluster.run(full_params, stream=False)[0]
+    result = cluster.train(**ARGS, checkpoint_dir=tmp_path, checkpoint_every=5, keep=2)
+    assert result.losses == whole.losses  # writing in the background changes nothing
+    kept = checkpoints(str(tmp_path))
+    assert [os.path.basename(p) for p in kept] == ["step-00000015", "step-00000020"]
+    assert result.checkpoint == {"step": 20, "path": kept[-1]}
+    assert not list(tmp_path.glob("*.partial-*"))
+    # the newest one resumes to the same end as never stopping
+    cluster.train(**{**ARGS, "steps": 0}, strategy=DDP())
+    cluster.load(kept[-1])
+    rest = cluster.train(**{**ARGS, "steps": 4}, resume=True)
+    assert rest.losses == whole.losses[-4:]
+    resumed = cluster.run(full_params, stream=False)[0]
+    assert all(torch.equal(resumed[k], expected[k]) for k in expected)
+
+
+def _kill_a_rank_at(cluster: axon_nb.Cluster, step: int, rank: int) -> threading.Thread:
+    """SIGKILL ``rank``'s process once the running call has streamed ``step``."""
+    first = cluster.last_run
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            run = cluster.last_run
+            if run is not None and run is not first and not run.done:
+                steps = [m["step"] for m in run.latest.values()]
+                if steps and min(steps) >= step:
+                    os.kill(cluster.ranks[rank]["pid"], signal.SIGKILL)
+                    return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+LAYOUTS = [
+    (DDP(), 2),
+    (FSDP(), 2),
+    (ZeRO(stage=2), 2),
+    (Pipeline(), 2),
+    (Hybrid(dp=2, pp=2), 4),
+]
+
+
+@pytest.mark.parametrize(("strategy", "ranks"), LAYOUTS, ids=lambda v: repr(v))
+def test_a_killed_rank_is_recovered_and_the_run_ends_as_if_never_killed(
+    strategy: Any, ranks: int, tmp_path: Path
+) -> None:
+    rng = random.Random(f"{strategy!r}")
+    kill_step, victim = rng.randint(6, 18), rng.randrange(ranks)
+    args = {**ARGS, "strategy": strategy}
+    with axon_nb.Cluster(n=ranks, timeout=60) as cluster:
+        whole = cluster.train(**args)
+        expected = cluster.run(full_params, stream=False)[0]
+        killer = _kill_a_rank_at(cluster, kill_step, victim)
+        result = cluster.train(
+            **args, checkpoint_dir=tmp_path, checkpoint_every=4, keep=2, max_restarts=2
+        )
+        killer.join(timeout=1)
+        assert len(result.restarts) == 1, result.restarts
+        restart = result.restarts[0]
+        assert restart["failed_at_step"] >= kill_step
+        assert restart["resumed_from"] == restart["failed_at_step"] // 4 * 4 or (
+            restart["resumed_from"] < restart["failed_at_step"]
+        )
+        assert [h["step"] for h in result.history] == list(range(1, ARGS["steps"] + 1))
+        assert result.losses == whole.losses  # bit for bit
+        recovered = cluster.run(full_params, stream=False)[0]
+        assert all(torch.equal(recovered[k], expected[k]) for k in expected)
+
+
+def test_bad_checkpoint_options_are_refused(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="need checkpoint_dir="):
+        cluster.train(**ARGS, checkpoint_every=5)
+    with pytest.raises(ValueError, match=r"max_restarts .* need checkpoint_dir="):
+        cluster.train(**ARGS, max_restarts=1)
+    with pytest.raises(ValueError, match="needs checkpoint_every="):
+        cluster.train(**ARGS, checkpoint_dir=tmp_path)
+    with pytest.raises(ValueError, match="keep must be an integer >= 1"):
+        cluster.train(**ARGS, checkpoint_dir=tmp_path, checkpoint_every=2, keep=0)
+    with pytest.raises(ValueError, match="max_restarts needs block=True"):
+        cluster.train(
+            **ARGS, checkpoint_dir=tmp_path, checkpoint_every=2, max_restarts=1, block=False
+        )
