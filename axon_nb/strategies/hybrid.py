@@ -30,8 +30,8 @@ class Hybrid(Strategy):
     ``hybrid_shard`` shards within groups of ``shard_size`` and replicates across them) or
     plain DDP replication (``data_parallel="ddp"``, without tensor parallelism: DDP does not
     take DTensor parameters; ``sharding="no_shard"`` replicates with FSDP). The degrees must
-    multiply to the world size. Pipeline and tensor-parallel options are those of :class:`Pipeline` and
-    :class:`TensorParallel`.
+    multiply to the world size. Pipeline and tensor-parallel options are those of
+    :class:`Pipeline` and :class:`TensorParallel`.
 
     Example::
 
