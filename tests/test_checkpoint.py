@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
+import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,7 @@ import torch
 
 import axon_nb
 from axon_nb import DDP, FSDP, Hybrid, Pipeline, TensorParallel, ZeRO
-from axon_nb.checkpoint.format import MARKER, Checkpoint
+from axon_nb.checkpoint.format import MARKER, Checkpoint, plan_save
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -135,49 +139,226 @@ def test_checkpoints_load_on_another_world_size(
         assert max(abs(x - y) for x, y in zip(there.losses, here.losses, strict=True)) < LOSS_TOL
 
 
-def _fail_before_marker() -> None:
-    """Make this rank's next save die after every part is written, before the marker."""
+def _fail_at(step: str) -> None:
+    """Make this rank's next save raise at ``step``: ``"_complete"`` (every part is written,
+    no marker yet) or ``"_move_in"`` (the old checkpoint was just renamed aside)."""
     from axon_nb.rank import checkpoint_io
 
     def crash(*args: Any) -> None:
         raise OSError("disk full (injected)")
 
-    checkpoint_io._complete = crash
+    setattr(checkpoint_io, step, crash)
 
 
-def _restore_complete() -> None:
+def _restore_save() -> None:
     import importlib
 
     from axon_nb.rank import checkpoint_io
 
-    checkpoint_io._complete = importlib.reload(checkpoint_io)._complete
+    importlib.reload(checkpoint_io)  # its functions as written
 
 
-def test_an_interrupted_write_is_never_taken_for_complete(
+def test_a_failed_save_removes_its_partial_directory_and_keeps_the_old_checkpoint(
     cluster: axon_nb.Cluster, tmp_path: Path
 ) -> None:
     path = tmp_path / "ckpt"
     _train(cluster, FSDP(), 3, "a")
     cluster.save(path, "sharded", name="a")
     _train(cluster, FSDP(), 2, "a", resume=True)
-    cluster.run(_fail_before_marker, stream=False)
+    cluster.run(_fail_at, "_complete", stream=False)
     try:
         with pytest.raises(axon_nb.RankError, match="disk full"):
             cluster.save(path, "sharded", name="a", overwrite=True)
         with pytest.raises(axon_nb.RankError, match="disk full"):
             cluster.save(tmp_path / "other", "full", name="a")
     finally:
-        cluster.run(_restore_complete, stream=False)
-    # The replaced checkpoint is untouched and still loads (step 3, not 5).
-    assert Checkpoint.read(path).step == 3
-    partials = sorted(p.name for p in tmp_path.iterdir() if ".partial-" in p.name)
-    assert len(partials) == 2 and any((tmp_path / p / ".metadata").exists() for p in partials)
-    with pytest.raises(FileNotFoundError, match="never completed: its write was interrupted"):
+        cluster.run(_restore_save, stream=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial directory left
+    assert Checkpoint.read(path).step == 3  # the one it was to replace is untouched
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         cluster.load(tmp_path / "other", name="a")
-    with pytest.raises(ValueError, match=f"not a complete axon_nb checkpoint: it has no {MARKER}"):
-        Checkpoint.read(tmp_path / partials[0])
     _train(cluster, FSDP(), 0, "b")
     assert cluster.load(path, name="b").step == 3
+
+
+def test_an_interrupted_write_is_never_taken_for_complete(
+    cluster: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    """The kernel died during the save, so nobody removed the partial directory."""
+    from axon_nb.rank import entry
+
+    path = tmp_path / "ckpt"
+    _train(cluster, FSDP(), 2, "a")
+    target = plan_save(path, "sharded", overwrite=False)
+    target.create_partial()
+    cluster.run(_fail_at, "_complete", stream=False)
+    try:
+        ar = cluster.view(cluster.targets()).apply_async(entry.save_checkpoint, "a", target)
+        with pytest.raises(Exception, match="disk full"):
+            ar.get(timeout=120)
+    finally:
+        cluster.run(_restore_save, stream=False)
+    assert (Path(target.partial) / ".metadata").exists()  # every part, no marker
+    with pytest.raises(FileNotFoundError, match="never completed: its write was interrupted"):
+        cluster.load(path, name="a")
+    with pytest.raises(ValueError, match=f"not a complete axon_nb checkpoint: it has no {MARKER}"):
+        Checkpoint.read(target.partial)
+
+
+def test_a_crash_between_the_renames_still_finds_a_complete_checkpoint(
+    cluster: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    path = tmp_path / "ckpt"
+    _train(cluster, DDP(), 3, "a")
+    cluster.save(path, "full", name="a")
+    _train(cluster, DDP(), 2, "a", resume=True)
+    cluster.run(_fail_at, "_move_in", stream=False)
+    try:
+        with pytest.raises(axon_nb.RankError, match="disk full"):
+            cluster.save(path, "full", name="a", overwrite=True)
+    finally:
+        cluster.run(_restore_save, stream=False)
+    # Nothing at the path: the old checkpoint is aside, the new one complete in its partial.
+    assert not path.exists()
+    (old,) = tmp_path.glob("ckpt.old-*")
+    (new,) = tmp_path.glob("ckpt.partial-*")
+    with pytest.warns(UserWarning, match=f"complete checkpoint beside it, {re.escape(str(new))}"):
+        found = Checkpoint.read(path)
+    assert (found.path, found.step) == (str(new), 5)  # the most recently completed one
+    _train(cluster, DDP(), 0, "b")
+    with pytest.warns(UserWarning, match="nothing is at"):
+        assert cluster.load(path, name="b").step == 5
+    shutil.rmtree(new)
+    with pytest.warns(UserWarning, match=f"beside it, {re.escape(str(old))}"):
+        assert Checkpoint.read(path).step == 3
+
+
+def _someone_creates(what: str) -> None:
+    """Just before this rank completes its next save, someone else puts a directory at its
+    path (replacing what was there): ``"empty"``, or ``"files"`` holding theirs.txt."""
+    from axon_nb.rank import checkpoint_io
+
+    complete = checkpoint_io._complete
+
+    def racing(meta: Any, target: Any) -> None:
+        if os.path.isdir(target.path):
+            shutil.rmtree(target.path)
+        os.mkdir(target.path)
+        if what == "files":
+            Path(target.path, "theirs.txt").write_text("not yours")
+        complete(meta, target)
+
+    checkpoint_io._complete = racing
+
+
+def test_what_appears_at_the_path_during_a_save_is_left_alone(
+    cluster: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    _train(cluster, DDP(), 2, "a")
+    for what, overwrite in (("empty", False), ("files", True)):
+        path = tmp_path / what
+        if overwrite:
+            cluster.save(path, "sharded", name="a")
+        cluster.run(_someone_creates, what, stream=False)
+        try:
+            with pytest.raises(
+                axon_nb.RankError,
+                match=f"something else appeared at {re.escape(str(path))} while the "
+                "checkpoint was being written .*; it was left untouched",
+            ) as e:
+                cluster.save(path, "sharded", name="a", overwrite=overwrite)
+        finally:
+            cluster.run(_restore_save, stream=False)
+        theirs = {"empty": [], "files": ["theirs.txt"]}[what]
+        assert sorted(p.name for p in path.iterdir()) == theirs
+        if what == "files":
+            assert (path / "theirs.txt").read_text() == "not yours"
+        kept = re.search(r"complete in (\S+\.partial-[0-9a-f]+)", str(e.value))
+        assert kept is not None
+        assert Checkpoint.read(kept.group(1)).step == 2
+        assert cluster.load(kept.group(1), name="a").step == 2
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_checkpoints_are_owner_only_unless_asked_otherwise(
+    cluster: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    _train(cluster, DDP(), 1, "a")
+    for kind in ("full", "sharded"):
+        path = tmp_path / kind
+        cluster.save(path, kind, name="a")
+        cluster.save(path, kind, name="a", overwrite=True)  # a replacement too
+        files = list(path.iterdir())
+        assert MARKER in {f.name for f in files} and len(files) >= 2
+        assert _mode(path) == 0o700
+        assert {f.name: _mode(f) for f in files} == {f.name: 0o600 for f in files}
+    umask = os.umask(0o022)  # the ranks inherited this process's umask when they started
+    os.umask(umask)
+    shared = tmp_path / "shared"
+    cluster.save(shared, "sharded", name="a", private=False)
+    assert _mode(shared) == 0o777 & ~umask
+    assert {_mode(f) for f in shared.iterdir()} == {0o666 & ~umask}
+
+
+def _exec(code: str) -> Any:
+    """An object whose unpickling runs ``code``."""
+
+    class Exec:
+        def __reduce__(self) -> Any:
+            return (exec, (code,))
+
+    return Exec()
+
+
+def test_a_planted_metadata_file_is_refused_and_never_run(
+    cluster: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    path, pwned = tmp_path / "ckpt", tmp_path / "pwned"
+    _train(cluster, FSDP(), 2, "a")
+    cluster.save(path, "sharded", name="a")
+    planted = pickle.dumps(_exec(f"open({str(pwned)!r}, 'w').close()"))
+    (path / ".metadata").write_bytes(planted)
+    before = cluster.run(_state, "a", stream=False)[0]
+    with pytest.raises(
+        axon_nb.RankError,
+        match=r"the checkpoint's \.metadata references builtins\.exec, which a checkpoint "
+        r"never needs; it was not loaded \(it may have been tampered with\)",
+    ):
+        cluster.load(path, name="a")
+    assert not pwned.exists()
+    _assert_same_state(before, cluster.run(_state, "a", stream=False)[0])
+    pickle.loads(planted)  # what plain unpickling (DCP's own reader) would have done
+    assert pwned.exists()
+
+
+def test_sharded_entries_that_are_not_plain_data_are_refused(tmp_path: Path) -> None:
+    """DCP pickles non-tensor entries (an optimizer's lr, betas) and unpickles them with
+    plain pickle; SafeReader loads plain values only, and those the same as before."""
+    import torch.distributed.checkpoint as dcp
+
+    from axon_nb.rank.safe_reader import SafeReader, UnsafeCheckpointError
+
+    plain = {"w": torch.arange(4.0), "lr": 3e-3, "betas": (0.9, 0.95), "groups": [{"n": None}]}
+    dcp.save(plain, checkpoint_id=tmp_path / "plain")
+    loaded = {"w": torch.zeros(4), "lr": 0.0, "betas": (0.0, 0.0), "groups": [{"n": 1}]}
+    dcp.load(loaded, storage_reader=SafeReader(tmp_path / "plain"))
+    assert torch.equal(loaded.pop("w"), plain.pop("w")) and loaded == plain
+
+    pwned = tmp_path / "pwned"
+    dcp.save({"w": torch.ones(2), "lr": _exec(f"open({str(pwned)!r}, 'w').close()")},
+             checkpoint_id=tmp_path / "bad")  # fmt: skip
+    target = {"w": torch.zeros(2), "lr": 0.0}
+    refused = "entry 'lr' references exec, which a checkpoint never needs; it was not loaded"
+    with pytest.raises(UnsafeCheckpointError, match=refused):
+        SafeReader(tmp_path / "bad").check()
+    with pytest.raises(dcp.CheckpointException, match=refused):  # a BaseException
+        dcp.load(target, storage_reader=SafeReader(tmp_path / "bad"))
+    assert not pwned.exists() and torch.equal(target["w"], torch.zeros(2))
+    dcp.load(target, checkpoint_id=tmp_path / "bad")  # DCP's own reader runs it
+    assert pwned.exists()
 
 
 def _params(name: str) -> dict[str, torch.Tensor]:

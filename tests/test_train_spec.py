@@ -110,3 +110,31 @@ def test_kernel_side_training_api_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
     assert axon_nb.TrainResult is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("rank", "would replace the ranks' predefined 'rank'"),
+        ("world_size", "would replace the ranks' predefined 'world_size'"),
+        ("device", "would replace the ranks' predefined 'device'"),
+        ("torch", "would shadow the module cells usually import as 'torch'"),
+        ("dist", "would shadow the module cells usually import as 'dist'"),
+        ("np", "would shadow the module cells usually import as 'np'"),
+        ("print", "would shadow the Python builtin 'print'"),
+        ("len", "would shadow the Python builtin 'len'"),
+        ("class", "is a Python keyword"),
+        ("my model", "must be a Python identifier"),
+    ],
+)
+def test_run_names_that_would_shadow_the_ranks_names_are_refused(name: str, why: str) -> None:
+    with pytest.raises(ValueError) as e:
+        make_spec(DDP, **BASE, name=name)
+    assert why in str(e.value)
+    if name.isidentifier():
+        assert 'e.g. name="model"' in str(e.value)
+
+
+def test_ordinary_run_names_are_accepted() -> None:
+    for name in ("model", "gpt", "a", "student_2", "net"):
+        assert make_spec(DDP, **BASE, name=name).name == name

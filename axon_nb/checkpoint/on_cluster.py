@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import os
-import uuid
 from typing import TYPE_CHECKING
 
-from axon_nb.checkpoint.format import Checkpoint, check_save_target
+from axon_nb.checkpoint.format import Checkpoint, plan_save
 from axon_nb.cluster.waiting import results
 from axon_nb.rank import entry
 
@@ -21,6 +20,7 @@ def save(
     *,
     name: str = "model",
     overwrite: bool = False,
+    private: bool = True,
 ) -> Checkpoint:
     """Save training run ``name`` (model, optimizer, step, schedule) as a checkpoint.
 
@@ -28,17 +28,24 @@ def save(
     ``kind="sharded"``: every rank writes its shards with ``torch.distributed.checkpoint``,
     which can be loaded on a different number of ranks. The checkpoint only appears at
     ``path`` once complete; an existing one is replaced only with ``overwrite=True``, and
-    only after the new one is complete. ``cluster.save(...)`` is the same call. Example::
+    only after the new one is complete; anything else that appears at ``path`` meanwhile is
+    left alone (the save fails and says where its checkpoint is). A failed save removes its
+    partial directory. Directories are created 0o700 and files 0o600 (``private=False``: as
+    the umask says). ``cluster.save(...)`` is the same call. Example::
 
         cluster.train(model=make_gpt, data=ds, strategy=FSDP(), steps=100)
         cluster.save("ckpt/step100", kind="sharded")
     """
-    target = check_save_target(path, kind, overwrite)
-    partial = f"{target}.partial-{uuid.uuid4().hex[:12]}"
-    targets = cluster.targets()
-    ar = cluster.view(targets).apply_async(entry.save_checkpoint, name, target, partial, kind)
-    results(cluster.wait(ar, targets, stream=True))
-    return Checkpoint.read(target)
+    target = plan_save(path, kind, overwrite, private)
+    target.create_partial()
+    try:
+        targets = cluster.targets()
+        ar = cluster.view(targets).apply_async(entry.save_checkpoint, name, target)
+        results(cluster.wait(ar, targets, stream=True))
+    except BaseException:
+        target.discard_partial()  # kept only if complete: then the error says where it is
+        raise
+    return Checkpoint.read(target.path)
 
 
 def load(cluster: Cluster, path: str | os.PathLike[str], *, name: str = "model") -> Checkpoint:
@@ -46,8 +53,11 @@ def load(cluster: Cluster, path: str | os.PathLike[str], *, name: str = "model")
 
     The run must exist, built with the checkpoint's model and optimizer (``steps=0`` builds
     one without training); any strategy and number of ranks works for a sharded
-    checkpoint. Loading reads tensors only (``weights_only=True``). A checkpoint that does
-    not fit the run changes nothing. ``cluster.load(...)`` is the same call. Example::
+    checkpoint. Loading executes nothing from the checkpoint (tensors and plain values
+    only; a tampered file is refused on every rank). A checkpoint that does not fit the run
+    changes nothing. If a save replacing ``path`` died between its two renames, the complete
+    checkpoint beside ``path`` is loaded, with a warning naming it. ``cluster.load(...)`` is
+    the same call. Example::
 
         cluster.train(model=make_gpt, data=ds, strategy=FSDP(), steps=0)
         cluster.load("ckpt/step100")

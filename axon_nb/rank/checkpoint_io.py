@@ -7,6 +7,7 @@ random-number state. Layout and completeness rules are in ``axon_nb.checkpoint``
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import uuid
@@ -17,33 +18,45 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from axon_nb.checkpoint.format import FULL_STATE_FILE, Checkpoint
+from axon_nb.checkpoint.format import (
+    FULL_STATE_FILE,
+    PRIVATE_DIR_MODE,
+    PRIVATE_FILE_MODE,
+    Checkpoint,
+    SaveTarget,
+    fingerprint,
+)
 from axon_nb.parallel.activation_checkpoint import canonical_name
 from axon_nb.rank import runtime, trainstate
+from axon_nb.rank.safe_reader import SafeReader
 from axon_nb.rank.trainstate import TrainState
 
 
-def save(name: str, path: str, partial: str, kind: str) -> int:
-    """Write run ``name`` into ``partial``, then (rank 0) move it to ``path``; returns the step.
+def save(name: str, target: SaveTarget) -> int:
+    """Write run ``name`` into ``target.partial``, then (rank 0) move it to ``target.path``;
+    returns the step.
 
     Every rank must call this: the state is gathered (``full``) or written shard by shard
-    (``sharded``) with collectives.
+    (``sharded``) with collectives. A failure on any rank fails the save on every rank.
     """
     state = _run(name, "save")
     ctx = runtime.context()
-    tensors = state.parallel.get_state(state.optimizer, full=kind == "full")
+    tensors = state.parallel.get_state(state.optimizer, full=target.kind == "full")
     rng = _gather_rng(ctx)
-    if kind == "full":
+    error = None
+    if target.kind == "full":
         if ctx.rank == 0:
-            os.makedirs(partial)
-            torch.save({**tensors, "rng": rng}, os.path.join(partial, FULL_STATE_FILE))
+            try:
+                _write_full({**tensors, "rng": rng}, target.partial)
+            except Exception as e:
+                error = e
     else:
-        dcp.save({**tensors, "rng": rng}, checkpoint_id=partial)
-    _barrier(ctx)  # every part is on disk before the marker says so
+        dcp.save({**tensors, "rng": rng}, checkpoint_id=target.partial)  # fails on all ranks
+    _agree(ctx, error, "write the checkpoint")  # every part is on disk before the marker
     if ctx.rank == 0:
         meta = Checkpoint(
-            path=path,
-            kind=kind,
+            path=target.path,
+            kind=target.kind,
             name=name,
             step=state.step,
             world_size=ctx.world_size,
@@ -52,8 +65,11 @@ def save(name: str, path: str, partial: str, kind: str) -> int:
             model=model_shapes(state.module),
             trainer=_trainer_state(state, bool(tensors["optimizer"].get("state"))),
         )
-        _complete(meta, partial, path)
-    _barrier(ctx)
+        try:
+            _complete(meta, target)
+        except Exception as e:
+            error = e
+    _agree(ctx, error, "complete the checkpoint")
     return state.step
 
 
@@ -61,12 +77,15 @@ def load(name: str, path: str) -> int:
     """Load the checkpoint at ``path`` into run ``name`` on this rank; returns its step.
 
     Nothing changes unless the checkpoint fits the run (same parameter names and shapes, same
-    optimizer class).
+    optimizer class). Nothing in it is executed: ``state.pt`` is read with
+    ``weights_only=True``, a sharded checkpoint through :class:`SafeReader`.
     """
     ckpt = Checkpoint.read(path)
     state = _run(name, "load")
     ctx = runtime.context()
     _check_fits(ckpt, state)
+    if ckpt.kind == "sharded":
+        SafeReader(path).check()  # refuse what would run code before anything changes
     with_optimizer = ckpt.trainer["optimizer_state"]
     if ckpt.kind == "full":
         blob = torch.load(
@@ -79,7 +98,7 @@ def load(name: str, path: str) -> int:
         # The run's own (sharded) state is the template: DCP reads into it, resharding.
         tensors = state.parallel.get_state(state.optimizer, full=False)
         tensors["rng"] = {str(r): torch.get_rng_state() for r in range(ckpt.world_size)}
-        dcp.load(tensors, checkpoint_id=path)
+        dcp.load(tensors, storage_reader=SafeReader(path))
     if not with_optimizer:
         tensors["optimizer"] = None
     state.parallel.set_state(state.optimizer, tensors)
@@ -166,21 +185,93 @@ def _gather_rng(ctx: runtime.RankContext) -> dict[str, torch.Tensor]:
     return {str(r): s for r, s in enumerate(states)}
 
 
-def _barrier(ctx: runtime.RankContext) -> None:
+def _agree(ctx: runtime.RankContext, error: Exception | None, what: str) -> None:
+    """A barrier at which every rank learns whether any failed: then every rank raises (a rank
+    its own error, the others one naming the first failed rank), or all go on."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    texts: list[Any] = [mine]
     if ctx.world_size > 1:
-        dist.barrier()
+        texts = [None] * ctx.world_size
+        dist.all_gather_object(texts, mine)
+    if error is not None:
+        raise error
+    failed = [(rank, text) for rank, text in enumerate(texts) if text is not None]
+    if failed:
+        rank, text = failed[0]
+        raise RuntimeError(f"rank {rank} could not {what}: {text}")
 
 
-def _complete(meta: Checkpoint, partial: str, path: str) -> None:
-    """Mark ``partial`` complete and move it to ``path`` (replacing an older checkpoint)."""
-    meta.write_marker(partial)
-    old = None
-    if os.path.exists(path):
+def _write_full(state: dict[str, Any], partial: str) -> None:
+    os.makedirs(partial, exist_ok=True)  # the kernel created it; a direct call may not have
+    file = os.path.join(partial, FULL_STATE_FILE)
+    torch.save(state, file)
+    with open(file, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _complete(meta: Checkpoint, target: SaveTarget) -> None:
+    """Mark ``target.partial`` complete and move it to ``target.path``, replacing only the
+    checkpoint the kernel saw there (``target.replaces``) and nothing else."""
+    if target.private:
+        _make_private(target.partial)
+    meta.write_marker(target.partial, private=target.private)
+    path = target.path
+    if target.replaces is not None and os.path.lexists(path):
+        if fingerprint(path) != target.replaces:
+            raise _occupied(target)
         old = f"{path}.old-{uuid.uuid4().hex[:8]}"
         os.rename(path, old)
-    os.rename(partial, path)
-    if old is not None:
-        shutil.rmtree(old)
+        _move_in(target, old)  # a crash before this completes: Checkpoint.read finds one beside
+        if os.path.islink(old):
+            os.unlink(old)  # the path was a link to the old checkpoint: keep what it named
+        else:
+            shutil.rmtree(old, ignore_errors=True)  # the new one is in place already
+    else:
+        _move_in(target)
+
+
+def _move_in(target: SaveTarget, old: str | None = None) -> None:
+    """Rename the complete partial directory to ``target.path`` if nothing is there."""
+    try:
+        os.mkdir(target.path, 0o700)  # the claim: fails if anyone created anything there
+    except FileExistsError:
+        raise _occupied(target, old) from None
+    try:
+        os.rename(target.partial, target.path)  # replaces only the empty directory just made
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise _occupied(target, old) from None  # someone wrote into the claim: theirs now
+    _fsync_dir(os.path.dirname(target.path))
+
+
+def _occupied(target: SaveTarget, old: str | None = None) -> FileExistsError:
+    was = "another checkpoint" if target.replaces is not None else "nothing"
+    aside = f" (the checkpoint it was to replace is in {old})" if old else ""
+    return FileExistsError(
+        f"something else appeared at {target.path} while the checkpoint was being written "
+        f"(there was {was} when the save began); it was left untouched. The new checkpoint "
+        f"is complete in {target.partial}{aside}: load it from there, or move it where you "
+        "want it"
+    )
+
+
+def _make_private(directory: str) -> None:
+    """Owner-only modes: directories 0o700, files 0o600."""
+    os.chmod(directory, PRIVATE_DIR_MODE)
+    for root, dirs, files in os.walk(directory):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), PRIVATE_DIR_MODE)
+        for f in files:
+            os.chmod(os.path.join(root, f), PRIVATE_FILE_MODE)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -225,5 +316,7 @@ def gather_rng(ctx: runtime.RankContext) -> dict[str, torch.Tensor]:
 
 
 def complete(meta: Checkpoint, partial: str, path: str) -> None:
-    """(Rank 0, once every part is on disk) mark ``partial`` complete and move it to ``path``."""
-    _complete(meta, partial, path)
+    """(Rank 0, once every part is on disk) mark ``partial`` complete and move it to a new
+    ``path`` (owner-only), as :func:`save` does."""
+    target = SaveTarget(path=path, partial=partial, kind=meta.kind, replaces=None)
+    _complete(meta, target)

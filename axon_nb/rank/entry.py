@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from axon_nb.checkpoint.format import SaveTarget
     from axon_nb.rank.bootstrap import BootstrapSpec
     from axon_nb.rank.placement import Probe, RankPlan
 
@@ -82,14 +83,15 @@ def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
         return loop.train_on_rank(spec_bytes, run_id, stop)
 
 
-def save_checkpoint(name: str, path: str, partial: str, kind: str) -> int:
-    """Write run ``name``'s checkpoint (every rank takes part); the step saved."""
+def save_checkpoint(name: str, target: SaveTarget) -> int:
+    """Write run ``name``'s checkpoint where ``target`` says (every rank takes part); the step
+    saved."""
     from axon_nb.rank.interrupts import import_safe_interrupts
 
     with import_safe_interrupts():
         from axon_nb.rank import checkpoint_io
 
-        return checkpoint_io.save(name, path, partial, kind)
+        return checkpoint_io.save(name, target)
 
 
 def load_checkpoint(name: str, path: str) -> int:

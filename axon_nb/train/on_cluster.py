@@ -51,7 +51,8 @@ def train(
 
     ``batch_size`` is the global batch per optimizer step: each data-parallel rank takes
     ``batch_size / dp`` samples of its own data shard, in ``grad_accum`` micro-batches. The
-    trained model stays on the ranks as ``name`` (a ``%%axon`` cell can evaluate it), and
+    trained model stays on the ranks as ``name`` (a ``%%axon`` cell can evaluate it; names
+    that would shadow ``rank``, ``device``, builtins or ``torch`` are refused), and
     ``resume=True`` continues it (model, optimizer, step, data order), taking new optimizer
     settings such as ``optimizer=("adamw", {"lr": 1e-4})``.
 

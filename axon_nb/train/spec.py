@@ -5,6 +5,8 @@ Pure Python (no torch import), so the kernel can build and validate it without t
 
 from __future__ import annotations
 
+import builtins
+import keyword
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +30,12 @@ SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate shapes after warm-up: constant, linear decay to 0, cosine decay to 0."""
 
 MIXED_PRECISION = (None, "bf16", "fp16")
+
+RANK_NAMES = ("rank", "world_size", "local_rank", "device")
+"""Names every rank predefines in its namespace (``axon_nb.rank.bootstrap``)."""
+
+MODULE_NAMES = ("torch", "dist", "nn", "F", "np", "os", "sys", "math", "time")
+"""Names that ``%%axon`` cells commonly import modules as."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,8 +189,9 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {spec.schedule!r}")
     if not isinstance(spec.warmup_steps, int) or spec.warmup_steps < 0:
         errors.append(f"warmup_steps must be an integer >= 0, got {spec.warmup_steps!r}")
-    if not spec.name.isidentifier():
-        errors.append(f"name must be a Python identifier (a variable on the ranks): {spec.name!r}")
+    name_error = _check_name(spec.name)
+    if name_error:
+        errors.append(name_error)
     if spec.metrics_interval_s < 0:
         errors.append(f"metrics_interval_s must be >= 0, got {spec.metrics_interval_s!r}")
     return errors + _check_checkpoints(spec)
@@ -214,3 +223,31 @@ def _check_checkpoints(spec: TrainSpec) -> list[str]:
             "(seconds): how often to take a checkpoint"
         )
     return errors
+
+
+def _check_name(name: Any) -> str | None:
+    """Why ``name`` cannot be a run's variable on the ranks, or None if it can.
+
+    It must be an identifier that shadows nothing a ``%%axon`` cell relies on::
+
+        _check_name("model")  # None
+        _check_name("rank")   # "name='rank' would replace the rank's own number ..."
+    """
+    hint = 'choose another name, e.g. name="model" or name="gpt"'
+    if not isinstance(name, str) or not name.isidentifier():
+        return f"name must be a Python identifier (a variable on the ranks), got {name!r}"
+    if keyword.iskeyword(name):
+        return f"name={name!r} is a Python keyword and cannot be a variable; {hint}"
+    if name in RANK_NAMES:
+        return (
+            f"name={name!r} would replace the ranks' predefined {name!r} (each rank defines "
+            f"{', '.join(RANK_NAMES)} for %%axon cells); {hint}"
+        )
+    if name in MODULE_NAMES:
+        return (
+            f"name={name!r} would shadow the module cells usually import as {name!r} "
+            f"({', '.join(MODULE_NAMES)} are kept free); {hint}"
+        )
+    if name in dir(builtins) or name in ("get_ipython", "display"):  # IPython's builtins
+        return f"name={name!r} would shadow the Python builtin {name!r} on the ranks; {hint}"
+    return None
