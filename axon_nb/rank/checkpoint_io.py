@@ -54,17 +54,7 @@ def save(name: str, target: SaveTarget) -> int:
         dcp.save({**tensors, "rng": rng}, checkpoint_id=target.partial)  # fails on all ranks
     _agree(ctx, error, "write the checkpoint")  # every part is on disk before the marker
     if ctx.rank == 0:
-        meta = Checkpoint(
-            path=target.path,
-            kind=target.kind,
-            name=name,
-            step=state.step,
-            world_size=ctx.world_size,
-            strategy=state.strategy.describe(),
-            optimizer=_optimizer_class(state.optimizer),
-            model=model_shapes(state.module),
-            trainer=_trainer_state(state, bool(tensors["optimizer"].get("state"))),
-        )
+        meta = describe(state, ctx, target.path, target.kind, tensors)
         try:
             _complete(meta, target)
         except Exception as e:
