@@ -300,11 +300,6 @@ def describe(
     )
 
 
-def gather_rng(ctx: runtime.RankContext) -> dict[str, torch.Tensor]:
-    """Every rank's CPU random-number state, by rank (a collective)."""
-    return _gather_rng(ctx)
-
-
 def complete(meta: Checkpoint, partial: str, path: str) -> None:
     """(Rank 0, once every part is on disk) mark ``partial`` complete and move it to a new
     ``path`` (owner-only), as :func:`save` does."""

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -110,7 +111,9 @@ class PeriodicCheckpoints:
         path = path_for(self.directory, state.step)
         partial = f"{path}.partial-{self.run_id}"
         tensors = state.parallel.get_state(state.optimizer, full=False)
-        tensors["rng"] = checkpoint_io.gather_rng(self.ctx)
+        # Each rank writes its own random state: the same layout as a gathered one, without
+        # a collective at the step boundary.
+        tensors["rng"] = {str(self.ctx.rank): torch.get_rng_state()}
         meta = checkpoint_io.describe(state, self.ctx, path, "sharded", tensors)
         future = dcp.async_save(tensors, checkpoint_id=partial, process_group=self._group)
         self._pending = _Pending(future=future, meta=meta, partial=partial)  # type: ignore[arg-type]
