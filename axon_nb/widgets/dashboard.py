@@ -47,6 +47,8 @@ class Dashboard(anywidget.AnyWidget):
     communication = traitlets.List().tag(sync=True)
     loss = traitlets.Dict().tag(sync=True)
     frozen = traitlets.Bool(False).tag(sync=True)
+    hang_report = traitlets.Unicode("").tag(sync=True)
+    """Where the ranks were when the run stopped making progress (empty while it makes some)."""
 
     def __init__(self, world_size: int, *, title: str = "", **kwargs: Any) -> None:
         super().__init__(title=title, **kwargs)
@@ -81,6 +83,11 @@ class Dashboard(anywidget.AnyWidget):
                     self.state.fail(rank, error)
             self.state.freeze()
             self._refresh(full=True)
+
+    def show_hang(self, report: str) -> None:
+        """Show a hang report (``%axon_cluster --hang-timeout``); ``""`` clears it."""
+        with self._lock:
+            self.hang_report = report
 
     # -- export ----------------------------------------------------------------------------
 
