@@ -17,7 +17,7 @@ from typing import Any
 
 from axon_nb import estimate
 from axon_nb.checkpoint import Checkpoint
-from axon_nb.cluster import Cluster, ClusterOptions
+from axon_nb.cluster import Cluster, ClusterOptions, StackReport
 from axon_nb.errors import (
     AxonError,
     ClusterBrokenError,
@@ -57,6 +57,7 @@ __all__ = [
     "RankError",
     "RowParallelLinear",
     "SingleDevice",
+    "StackReport",
     "Strategy",
     "TensorParallel",
     "TrainHandle",

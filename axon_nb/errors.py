@@ -24,22 +24,36 @@ class RankError(AxonError):
 
     ``rank`` is the rank that failed first (the cause; others usually fail because of it),
     whose remote traceback ``traceback`` holds; ``failed_ranks`` lists every failed rank.
+    ``running`` says where the ranks that had not finished were when it failed (for a
+    collective timeout: who was elsewhere), one line per place; empty when all had finished.
     """
 
     def __init__(
-        self, rank: int, ename: str, evalue: str, traceback: str, failed_ranks: list[int]
+        self,
+        rank: int,
+        ename: str,
+        evalue: str,
+        traceback: str,
+        failed_ranks: list[int],
+        running: str = "",
     ) -> None:
         self.rank = rank
         self.ename = ename
         self.evalue = evalue
         self.traceback = traceback
         self.failed_ranks = failed_ranks
+        self.running = running
         super().__init__(self._headline())
 
     def _headline(self) -> str:
         others = [r for r in self.failed_ranks if r != self.rank]
         also = f" (then ranks {', '.join(map(str, others))} failed too)" if others else ""
-        return f"rank {self.rank} raised {self.ename}: {self.evalue}{also}"
+        headline = f"rank {self.rank} raised {self.ename}: {self.evalue.rstrip()}{also}"
+        if self.running:
+            headline += "\nWhere the other ranks were when it failed:\n" + "\n".join(
+                f"  {line}" for line in self.running.splitlines()
+            )
+        return headline
 
     def _render_traceback_(self) -> list[str]:
         """IPython shows this instead of the kernel-side stack, which says nothing useful."""

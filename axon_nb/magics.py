@@ -21,7 +21,8 @@ from axon_nb.rank.placement import BACKENDS
 
 @magics_class
 class AxonMagics(Magics):
-    """``%axon_cluster``, ``%%axon`` and ``%axon_run``; one cluster per kernel."""
+    """``%axon_cluster``, ``%%axon``, ``%axon_run``, ``%axon_stacks`` and the status magics;
+    one cluster per kernel."""
 
     instance: AxonMagics | None = None
     """The magics of the running kernel (for :func:`current_cluster`)."""
@@ -37,6 +38,12 @@ class AxonMagics(Magics):
     @argument("--backend", default="auto", choices=BACKENDS, help="torch.distributed backend")
     @argument("--gpus", default=None, help="CUDA devices to use, e.g. 0,1 (default: all)")
     @argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    @argument(
+        "--hang-timeout",
+        type=float,
+        default=None,
+        help="show every rank's stacks once after this many seconds without progress",
+    )
     @argument("--stop", action="store_true", help="stop the running cluster")
     @argument("--restart", action="store_true", help="stop the running cluster, start anew")
     @argument("--status", action="store_true", help="show the running cluster's ranks")
@@ -46,7 +53,7 @@ class AxonMagics(Magics):
 
         ::
 
-            In [1]: %axon_cluster 4
+            In [1]: %axon_cluster 4 --hang-timeout 300
             rank  host  pid    device  backend
             0     node  12345  cpu     gloo
             ...
@@ -114,6 +121,25 @@ class AxonMagics(Magics):
             display(status_widget(rows))
         else:
             print(status_text(rows))
+
+    @magic_arguments()
+    @argument("--full", action="store_true", help="also print each rank's main-thread stack")
+    @argument("--ranks", default=None, help="only these ranks, e.g. 0,2")
+    @line_magic
+    def axon_stacks(self, line: str) -> None:
+        """Show where every rank is now: its Python stacks and current collective, also while
+        the ranks are busy or stuck in a cell or a training run.
+
+        ::
+
+            In [5]: %axon_stacks
+            Stacks of 4 ranks at 14:02:11:
+              ranks 0, 2, 3 wait in all_reduce #57 (group of 4, 1.0 KiB) for 12 s, at ...
+              rank 1 is elsewhere: train.py:42 in load_batch ← train.py:80 in step
+        """
+        args = parse_argstring(self.axon_stacks, line)
+        report = self._require_cluster().stacks(_parse_ranks(args.ranks))
+        print(report.format(full=args.full))
 
     @line_magic
     def axon_dashboard(self, line: str) -> None:
@@ -208,6 +234,7 @@ def _cluster_from_args(args: Any) -> Cluster:
             backend=args.backend,
             gpus=parse_gpus(args.gpus),
             timeout=args.timeout,
+            hang_timeout=args.hang_timeout,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -68,7 +69,8 @@ STARTER = textwrap.dedent(
     ipp = cluster._ipp
     pids = [r["pid"] for r in cluster.ranks] + [ipp.controller.process.pid]
     pids += [es.process.pid for es in ipp.engines.values()]
-    print(json.dumps({"pids": pids, "torch": "torch" in sys.modules}), flush=True)
+    watch = str(cluster._watch.path)
+    print(json.dumps({"pids": pids, "torch": "torch" in sys.modules, "watch": watch}), flush=True)
     if sys.argv[1] == "wait":
         time.sleep(600)
     """
@@ -89,5 +91,9 @@ def test_engines_and_controller_never_outlive_their_starter(tmp_path: Path, endi
             proc.send_signal(signal.SIGKILL)  # no atexit: the reaper must clean up
         proc.wait(timeout=60)
         assert wait_gone(report["pids"], seconds=30) == []
+        deadline = time.monotonic() + 10  # the reaper removes the stack-request directory too
+        while os.path.exists(report["watch"]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not os.path.exists(report["watch"])
     finally:
         proc.kill()

@@ -2,5 +2,6 @@
 
 from axon_nb.cluster.cluster import Cluster
 from axon_nb.cluster.options import ClusterOptions
+from axon_nb.cluster.stacks import StackReport
 
-__all__ = ["Cluster", "ClusterOptions"]
+__all__ = ["Cluster", "ClusterOptions", "StackReport"]

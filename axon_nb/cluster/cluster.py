@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 
-from axon_nb.cluster import reaper, startup
+from axon_nb.cluster import hangs, reaper, startup
 from axon_nb.cluster.control import Control
+from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
 from axon_nb.cluster.launchers import LAUNCHERS
 from axon_nb.cluster.options import ClusterOptions
+from axon_nb.cluster.stacks import StackReport
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.errors import (
     AxonError,
@@ -23,6 +25,7 @@ from axon_nb.errors import (
     RankDiedError,
 )
 from axon_nb.rank import entry
+from axon_nb.rank.watch import NATIVE_SIGNAL
 
 if TYPE_CHECKING:
     from axon_nb.checkpoint import Checkpoint
@@ -53,6 +56,7 @@ class Cluster:
         gpus: Sequence[int] | None = None,
         timeout: float = 300.0,
         start_timeout: float = 180.0,
+        hang_timeout: float | None = None,
     ) -> None:
         self.options = ClusterOptions(
             n=n,
@@ -61,8 +65,10 @@ class Cluster:
             gpus=tuple(gpus) if gpus is not None else None,
             timeout=timeout,
             start_timeout=start_timeout,
+            hang_timeout=hang_timeout,
         )
         self._ipp: ipp.Cluster | None = None
+        self._watch: WatchDir | None = None
         self._client: ipp.Client | None = None
         self._reaper: Any = None
         self._broken: str | None = None
@@ -99,12 +105,15 @@ class Cluster:
         LAUNCHERS[opts.engines](cluster)  # may raise (no mpiexec) before anything starts
         self._ipp = cluster
         try:
+            self._watch = WatchDir.create()
             cluster.start_controller_sync()
             cluster.start_engines_sync(opts.n)
-            self._reaper = reaper.spawn(os.getpid(), cluster.cluster_file)
+            self._reaper = reaper.spawn(os.getpid(), cluster.cluster_file, str(self._watch.path))
             self._client = cluster.connect_client_sync()
             startup.wait_for_engines(cluster, self._client, opts)
-            self.ranks = startup.join_world(self._client, opts, self._wait_start)
+            self.ranks = startup.join_world(
+                self._client, opts, self._wait_start, str(self._watch.path)
+            )
         except BaseException as e:
             launcher_output = startup.launcher_output(self._ipp)
             self.stop()
@@ -127,6 +136,9 @@ class Cluster:
         if self._reaper is not None:
             self._reaper.wait(timeout=10)  # it exits once the cluster file is gone
             self._reaper = None
+        if self._watch is not None:
+            self._watch.remove()
+            self._watch = None
         self.ranks = []
 
     def restart(self) -> Cluster:
@@ -236,6 +248,39 @@ class Cluster:
         """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
         Control(self.client, []).interrupt(self.targets(ranks))
 
+    def stacks(
+        self, ranks: Sequence[int] | None = None, *, timeout: float = ANSWER_S
+    ) -> StackReport:
+        """Where every rank (or ``ranks``) is now: each thread's Python stack and the current
+        or last collective, also while the ranks are busy or stuck (what ``%axon_stacks`` shows).
+
+        Ranks that do not answer within ``timeout`` seconds (a rank holding the GIL in native
+        code, or a dead one) are sent SIGUSR1, on which ``faulthandler`` dumps their stacks.
+        Example::
+
+            report = cluster.stacks()
+            print(report)            # ranks 0, 2, 3 wait in all_reduce #57 ...
+            print(report.stacks[1])  # rank 1's main-thread stack
+        """
+        if not self.running or self._watch is None:
+            raise NoClusterError(
+                "no cluster is running: start one with `%axon_cluster N` or "
+                "`axon_nb.Cluster(n=N).start()`"
+            )
+        world = list(range(len(self.ranks)))  # a broken world can still be inspected
+        targets = world if ranks is None else sorted(set(ranks))
+        if not targets or not set(targets) <= set(world):
+            raise ValueError(
+                f"ranks must be a non-empty subset of 0..{len(world) - 1}, got {list(ranks or [])}"
+            )
+        control = Control(self.client, world)
+        return hangs.collect(
+            self._watch,
+            targets,
+            signal_native=lambda missing: control.signal(missing, NATIVE_SIGNAL),
+            timeout=timeout,
+        )
+
     def table(self) -> str:
         """The ranks as a text table: rank, host, pid, device, backend."""
         rows = [("rank", "host", "pid", "device", "backend")]
@@ -289,14 +334,26 @@ class Cluster:
         *,
         stream: bool,
         timeout: float | None = None,
+        watch_hangs: bool = True,
         **options: Any,
     ) -> dict[int, ipp.AsyncResult]:
         """Wait for ``ar`` (one message per rank of ``targets``) as ``waiting.wait_for_ranks``
-        does, and keep the cluster's state: a dead rank breaks it, released ranks re-form it."""
-        control = Control(self.client, list(range(len(self.ranks))) or targets)
+        does, and keep the cluster's state: a dead rank breaks it, released ranks re-form it.
+
+        With the cluster's ``hang_timeout`` and ``watch_hangs``, the ranks' stacks are shown
+        once when no rank finishes or prints for that long."""
+        world = list(range(len(self.ranks))) or targets
+        joined = self._watch is not None and bool(self.ranks)  # (not while starting)
+        control = Control(self.client, world, self.stacks if joined else None)
+        hang = None
+        if watch_hangs and self.options.hang_timeout is not None and self._watch is not None:
+            hang = HangWatch(
+                self.options.hang_timeout,
+                lambda s: self.report_hang(s, progress="no rank finished or printed"),
+            )
         try:
             return wait_for_ranks(
-                ar, targets, control=control, stream=stream, timeout=timeout, **options
+                ar, targets, control=control, stream=stream, timeout=timeout, hang=hang, **options
             )
         except RankDiedError as e:
             self._broken = f"rank {e.rank} died"
@@ -304,6 +361,28 @@ class Cluster:
         finally:
             if control.released and not self._broken and self.ranks:
                 self._reform_world()
+
+    def report_hang(self, seconds: float, *, progress: str) -> StackReport | None:
+        """Print every rank's stacks to stderr after ``seconds`` without ``progress`` (what
+        did not happen, e.g. "no rank finished a step"); returns the report (None if it could
+        not be taken). Example::
+
+            cluster.report_hang(300, progress="no rank finished a step")
+        """
+        try:
+            report = self.stacks()
+        except Exception as e:  # a report is a diagnosis; never let it end the wait
+            print(f"No progress for {seconds:.0f} s; the stacks could not be taken: {e}",
+                  file=sys.stderr)  # fmt: skip
+            return None
+        print(
+            f"No progress for {seconds:.0f} s ({progress}). {report}\n"
+            f"Still waiting: a collective stuck past --timeout ({self.options.timeout:g} s) "
+            "fails with an error; interrupt the kernel to stop the ranks now.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return report
 
     def _reform_world(self) -> None:
         """Every rank leaves the severed process group and joins a fresh one."""
@@ -321,4 +400,6 @@ class Cluster:
         self.ranks = results(parts)
 
     def _wait_start(self, ar: ipp.AsyncResult, targets: list[int]) -> dict[int, ipp.AsyncResult]:
-        return self.wait(ar, targets, stream=True, timeout=self.options.start_timeout)
+        return self.wait(
+            ar, targets, stream=True, timeout=self.options.start_timeout, watch_hangs=False
+        )

@@ -25,6 +25,9 @@ class ClusterOptions:
     """Timeout of collectives, in seconds (``init_process_group(timeout=...)``)."""
     start_timeout: float = 180.0
     """How long starting the engines and joining the world may take, in seconds."""
+    hang_timeout: float | None = None
+    """Seconds without progress (no step, or no rank finishing or printing) after which every
+    rank's stacks are shown once; None: never."""
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -46,6 +49,14 @@ class ClusterOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        hang = self.hang_timeout
+        if hang is not None and (
+            isinstance(hang, bool) or not isinstance(hang, int | float) or not hang > 0
+        ):
+            raise ValueError(
+                f"hang_timeout must be a positive number of seconds, got {hang!r}: e.g. "
+                "`%axon_cluster 4 --hang-timeout 300`, or leave it out to never report hangs"
+            )
 
 
 def _check_gpus(gpus: tuple[int, ...], n: int, backend: str) -> None:

@@ -3,12 +3,13 @@
 ipyparallel stops clusters from ``atexit``, which a killed kernel never runs. This watcher is
 started in its own session beside every cluster and lives only as long as the cluster file.
 
-Usage: ``python -m axon_nb.cluster.reaper PARENT_PID CLUSTER_FILE``
+Usage: ``python -m axon_nb.cluster.reaper PARENT_PID CLUSTER_FILE [WATCH_DIR]``
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -18,10 +19,11 @@ import psutil
 POLL_S = 0.5
 
 
-def spawn(parent_pid: int, cluster_file: str) -> subprocess.Popen[bytes]:
-    """Start the watcher for ``cluster_file`` in a new session (so kernel signals miss it)."""
+def spawn(parent_pid: int, cluster_file: str, watch_dir: str) -> subprocess.Popen[bytes]:
+    """Start the watcher for ``cluster_file`` in a new session (so kernel signals miss it);
+    it removes the cluster's ``watch_dir`` (``hangs.WatchDir``) when the cluster is gone."""
     return subprocess.Popen(
-        [sys.executable, "-m", "axon_nb.cluster.reaper", str(parent_pid), cluster_file],
+        [sys.executable, "-m", "axon_nb.cluster.reaper", str(parent_pid), cluster_file, watch_dir],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -47,12 +49,15 @@ def watch(parent_pid: int, cluster_file: str) -> bool:
 
 def main(argv: list[str]) -> int:
     parent_pid, cluster_file = int(argv[0]), argv[1]
-    if not watch(parent_pid, cluster_file):
-        return 0
-    import ipyparallel as ipp
+    try:
+        if watch(parent_pid, cluster_file):
+            import ipyparallel as ipp
 
-    cluster = ipp.Cluster.from_file(cluster_file)
-    cluster.stop_cluster_sync()
+            cluster = ipp.Cluster.from_file(cluster_file)
+            cluster.stop_cluster_sync()
+    finally:  # (ipyparallel's atexit stops a cluster, but knows nothing of this directory)
+        if len(argv) > 2:
+            shutil.rmtree(argv[2], ignore_errors=True)
     return 0
 
 

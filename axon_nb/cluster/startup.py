@@ -62,9 +62,13 @@ def local_rank_processes(cluster: ipp.Cluster) -> int | None:
     return count if seen_proxy else None
 
 
-def join_world(client: ipp.Client, options: ClusterOptions, wait: Wait) -> list[dict[str, Any]]:
-    """Every rank joins the torch world; their summaries in rank order."""
-    spec = BootstrapSpec(backend=options.backend, gpus=options.gpus, timeout_s=options.timeout)
+def join_world(
+    client: ipp.Client, options: ClusterOptions, wait: Wait, watch_dir: str | None = None
+) -> list[dict[str, Any]]:
+    """Every rank joins the torch world (and watches ``watch_dir``); summaries in rank order."""
+    spec = BootstrapSpec(
+        backend=options.backend, gpus=options.gpus, timeout_s=options.timeout, watch_dir=watch_dir
+    )
     targets = sorted(client.ids)
     try:
         if options.engines == "mpi":
@@ -93,7 +97,10 @@ def _join_planned_by_kernel(
         plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
     except PlacementError as e:
         raise ClusterStartError(str(e)) from None
-    ars = [client[t].apply_async(entry.join_world, plans[t], spec.timeout_s) for t in targets]
+    ars = [
+        client[t].apply_async(entry.join_world, plans[t], spec.timeout_s, spec.watch_dir)
+        for t in targets
+    ]
     merged = ipp.AsyncResult(client, [m for a in ars for m in a.msg_ids], targets=targets)
     return results(wait(merged, targets))
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TextIO
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
+from axon_nb.cluster.hangs import HangWatch
 from axon_nb.errors import AxonError, RankDiedError, RankError
 
 FLUSH_S = 0.05
@@ -39,6 +40,9 @@ class RankControl(Protocol):
 
     def release(self, stuck: list[int]) -> None:
         """Make ``stuck`` ranks' pending collectives fail (their peers already left them)."""
+
+    def where(self, ranks: list[int]) -> str:
+        """Where ``ranks`` are now, one line per place (a stack report); "" if unknown."""
 
 
 class RankStreams:
@@ -85,6 +89,7 @@ def wait_for_ranks(
     err: TextIO | None = None,
     tick: Callable[[], None] | None = None,
     soft_stop_s: float | None = None,
+    hang: HangWatch | None = None,
 ) -> dict[int, ipp.AsyncResult]:
     """Wait for ``ar`` (one message per rank, in ``ranks`` order) and return its parts by rank.
 
@@ -97,7 +102,8 @@ def wait_for_ranks(
     ``FLUSH_S`` at most while waiting (to read streamed metrics). With ``soft_stop_s``, the
     ranks treat SIGINT as "stop at the next safe point" (the training loop does): Ctrl-C then
     waits up to that long for them to finish on their own and returns normally; a second
-    Ctrl-C, or the time running out, interrupts them as above.
+    Ctrl-C, or the time running out, interrupts them as above. ``hang`` is told of progress
+    (a rank finishing or printing) and reports a hang once.
     """
     parts = dict(zip(ranks, ar.split(), strict=True))
     # Completion order tells cause from consequence: the rank that raised (or died) first
@@ -107,13 +113,16 @@ def wait_for_ranks(
         part.add_done_callback(lambda _, rank=rank: order.append(rank))
     streams = RankStreams(parts, out or sys.stdout, err or sys.stderr) if stream else None
     deadline = None if timeout is None else time.monotonic() + timeout
+    running = ""
     try:
         while not _all_ready(parts):
             _flush(streams)
             if tick is not None:
                 tick()
+            if hang is not None:
+                hang.check(_progress(parts))
             if _failed(parts):
-                _settle_after_failure(parts, control, streams)
+                running = _settle_after_failure(parts, control, streams)
                 break
             wait_s = FLUSH_S
             if deadline is not None:
@@ -133,13 +142,24 @@ def wait_for_ranks(
             _forward_interrupt(parts, control, streams)
             raise
     _flush(streams)
-    _raise_failures(parts, order)
+    _raise_failures(parts, order, running)
     return parts
 
 
 def _flush(streams: RankStreams | None) -> None:
     if streams is not None:
         streams.flush()
+
+
+def _progress(parts: dict[int, ipp.AsyncResult]) -> tuple[int, ...]:
+    """Changes whenever a rank finishes or prints."""
+    return tuple(p.ready() + 2 * _length(p.stdout) + 2 * _length(p.stderr) for p in parts.values())
+
+
+def _length(text: str | list[str] | None) -> int:
+    if isinstance(text, list):
+        return sum(len(t) for t in text)
+    return len(text or "")
 
 
 def _all_ready(parts: dict[int, ipp.AsyncResult]) -> bool:
@@ -182,12 +202,16 @@ def _settle_after_failure(
     parts: dict[int, ipp.AsyncResult],
     control: RankControl,
     streams: RankStreams | None,
-) -> None:
+) -> str:
+    """Let the others finish or fail, else interrupt them; returns where they were (or "")."""
     # Others usually fail right after (a peer left a collective); collect those errors too.
     if _wait_until_ready(parts, FAILURE_GRACE_S, streams):
-        return
-    control.interrupt(_running(parts))
+        return ""
+    running = _running(parts)
+    where = control.where(running)  # before interrupting: it moves them
+    control.interrupt(running)
     _unstick(parts, control, streams)
+    return where
 
 
 def _unstick(
@@ -265,7 +289,7 @@ def _wait_until_ready(
         _wait_all(parts, min(FLUSH_S, left))
 
 
-def _raise_failures(parts: dict[int, ipp.AsyncResult], order: list[int]) -> None:
+def _raise_failures(parts: dict[int, ipp.AsyncResult], order: list[int], running: str) -> None:
     failed = _failed(parts)
     if not failed:
         return
@@ -276,7 +300,7 @@ def _raise_failures(parts: dict[int, ipp.AsyncResult], order: list[int]) -> None
     if _is_engine_death(exc):
         raise RankDiedError(rank, "EngineError", "its process exited", "", failed) from None
     ename, evalue, tb = describe_error(exc)
-    raise RankError(rank, ename, evalue, tb, failed) from None
+    raise RankError(rank, ename, evalue, tb, failed, running) from None
 
 
 def _is_engine_death(exc: BaseException | None) -> bool:

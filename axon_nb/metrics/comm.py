@@ -91,7 +91,7 @@ class CommMeter:
     def _wrap(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
-            nbytes = _payload_bytes(kind, args, kwargs)
+            nbytes = payload_bytes(kind, args, kwargs)
             start = time.perf_counter()
             work = fn(*args, **kwargs)
             if work is None or not hasattr(work, "get_future"):
@@ -124,7 +124,8 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _payload_bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+def payload_bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes this rank hands to a collective of ``kind`` called with ``args`` / ``kwargs``."""
     if kind in ("all_gather", "reduce_scatter"):
         # (output, input) signatures: the input is what this rank contributes.
         payload = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)

@@ -26,6 +26,8 @@ class BootstrapSpec:
     """CUDA device indices to use on each host; ``None`` means all visible devices."""
     timeout_s: float = 300.0
     """Timeout of collectives, in seconds."""
+    watch_dir: str | None = None
+    """The cluster's owner-only directory where the kernel asks for stacks (``rank/watch.py``)."""
 
 
 def probe(rank: int, local_rank: int, local_world_size: int) -> Probe:
@@ -59,11 +61,14 @@ def bootstrap_mpi(spec: BootstrapSpec) -> dict[str, Any]:
     # Every rank plans from the same probes, so all of them raise the same error or none does.
     probes = comm.allgather(mine)
     plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
-    return join_world(plans[rank], spec.timeout_s)
+    return join_world(plans[rank], spec.timeout_s, watch_dir=spec.watch_dir)
 
 
-def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
-    """Bind the device, export the torchrun environment and initialize the process group."""
+def join_world(plan: RankPlan, timeout_s: float, *, watch_dir: str | None = None) -> dict[str, Any]:
+    """Bind the device, export the torchrun environment and initialize the process group.
+
+    With ``watch_dir``, the rank then answers stack requests there (``rank/watch.py``).
+    """
     import torch
     import torch.distributed as dist
 
@@ -98,6 +103,10 @@ def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
     world.init_process_group(ctx)
     runtime.set_context(ctx)
     _predefine_names(ctx)
+    if watch_dir is not None:
+        from axon_nb.rank import watch  # (the kernel imports this module for BootstrapSpec)
+
+        watch.start(watch_dir, ctx.rank)
     return ctx.summary()
 
 

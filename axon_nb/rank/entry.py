@@ -37,11 +37,11 @@ def probe_by_engine_id(world_size: int) -> Probe:
     return bootstrap.probe(rank, rank, world_size)
 
 
-def join_world(plan: RankPlan, timeout_s: float) -> dict[str, Any]:
+def join_world(plan: RankPlan, timeout_s: float, watch_dir: str | None) -> dict[str, Any]:
     """Without MPI: join the torch world as the kernel planned."""
     from axon_nb.rank import bootstrap
 
-    return bootstrap.join_world(plan, timeout_s)
+    return bootstrap.join_world(plan, timeout_s, watch_dir=watch_dir)
 
 
 def free_port() -> int:

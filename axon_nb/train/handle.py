@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ipyparallel as ipp
 
+from axon_nb.cluster.hangs import HangWatch
 from axon_nb.cluster.waiting import describe_error, results
 from axon_nb.train.result import TrainResult, build_result, merge_records
 from axon_nb.train.spec import TrainSpec
@@ -71,6 +72,10 @@ class TrainHandle:
         """The live widget of this run; display it (``%axon_dashboard``) to watch."""
         self._listeners.append(self.dashboard)
         self._lock = threading.Lock()
+        hang_timeout = cluster.options.hang_timeout
+        self._hang = HangWatch(hang_timeout, self._on_hang) if hang_timeout is not None else None
+        self._hang_at: object = None
+        """The steps when a hang was last reported (the dashboard shows it until they change)."""
         # Each publication repeats only the previous one's records, so read them well within
         # two publication intervals, whether or not anyone is looking.
         self._monitor = threading.Thread(target=self._watch, name="axon-train-monitor", daemon=True)
@@ -118,8 +123,11 @@ class TrainHandle:
             with self._lock:
                 for listener in self._listeners:
                     listener.tick()
+            if self._hang is not None:
+                self._check_hang()
             time.sleep(MONITOR_S)
         self.poll()
+        self._clear_hang(self._steps())
         failures = {
             rank: "{}: {}".format(*describe_error(part.exception()))
             for rank, part in self._parts.items()
@@ -128,6 +136,35 @@ class TrainHandle:
         with self._lock:
             for listener in self._listeners:
                 listener.done(failures)
+
+    def _steps(self) -> tuple[tuple[int, int], ...]:
+        with self._lock:
+            return tuple(sorted((rank, m["step"]) for rank, m in self._latest.items()))
+
+    def _check_hang(self) -> None:
+        """Report once when no rank finished a step for ``hang_timeout`` (monitor thread)."""
+        assert self._hang is not None
+        steps = self._steps()
+        self._clear_hang(steps)
+        self._hang.check(steps)
+
+    def _clear_hang(self, steps: object) -> None:
+        if self._hang_at is not None and steps != self._hang_at:
+            self._hang_at = None
+            self.dashboard.show_hang("")  # moving again
+
+    def _on_hang(self, seconds: float) -> None:
+        # In its own thread: taking the stacks may take seconds, and the monitor must keep
+        # reading the stream meanwhile (a publication repeats only the previous one's records).
+        self._hang_at = self._steps()
+        threading.Thread(
+            target=self._report_hang, args=(seconds,), name="axon-hang-report", daemon=True
+        ).start()
+
+    def _report_hang(self, seconds: float) -> None:
+        report = self._cluster.report_hang(seconds, progress="no rank finished a step")
+        if report is not None and not self.done and self._hang_at == self._steps():
+            self.dashboard.show_hang(f"No step for {seconds:.0f} s. {report.format()}")
 
     def _read(self) -> None:
         for rank, part in self._parts.items():
@@ -158,7 +195,12 @@ class TrainHandle:
                 )
             try:
                 parts = self._cluster.wait(
-                    self._ar, self._targets, stream=True, tick=self._tick, soft_stop_s=SOFT_STOP_S
+                    self._ar,
+                    self._targets,
+                    stream=True,
+                    tick=self._tick,
+                    soft_stop_s=SOFT_STOP_S,
+                    watch_hangs=False,  # the monitor thread watches the steps instead
                 )
             finally:
                 # The monitor's last read and the dashboard's final state come before the result.

@@ -86,6 +86,7 @@ function render({ model, el: root }) {
   const memoryBox = el("div", { class: "axon-memory" });
   const commBox = el("div", { class: "axon-comm" });
   const errors = el("div", { class: "axon-errors" });
+  const hang = el("pre", { class: "axon-hang" });
   toggle.addEventListener("change", () => { perRank = toggle.checked; drawLoss(lossBox, series, perRank); });
   root.classList.add("axon-dashboard");
   root.append(
@@ -94,7 +95,7 @@ function render({ model, el: root }) {
     lossBox,
     el("div", { class: "axon-section" }, ["Memory per rank"]), memoryBox,
     el("div", { class: "axon-section" }, ["Communication per rank (per step)"]), commBox,
-    errors,
+    errors, hang,
   );
 
   function drawHead() {
@@ -104,6 +105,11 @@ function render({ model, el: root }) {
     head.replaceChildren(el("strong", {}, [model.get("title") || "training"]), ...chips);
     const failed = model.get("ranks").filter((r) => r.error);
     errors.replaceChildren(...failed.map((r) => el("div", { class: "axon-error" }, [`rank ${r.rank}: ${r.error}`])));
+  }
+
+  function drawHang() {
+    hang.textContent = model.get("hang_report") || "";
+    hang.style.display = hang.textContent ? "" : "none";
   }
 
   function drawProgress() {
@@ -168,10 +174,10 @@ function render({ model, el: root }) {
     root.setAttribute("data-points", series.steps.length);
   });
   for (const [name, draw] of [["ranks", drawHead], ["title", drawHead], ["progress", drawProgress],
-    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss]]) {
+    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss], ["hang_report", drawHang]]) {
     model.on(`change:${name}`, draw);
   }
-  drawHead(); drawProgress(); drawMemory(); drawComm(); setLoss();
+  drawHead(); drawProgress(); drawMemory(); drawComm(); setLoss(); drawHang();
 }
 
 export default { render };

@@ -47,6 +47,8 @@ class Dashboard(anywidget.AnyWidget):
     communication = traitlets.List().tag(sync=True)
     loss = traitlets.Dict().tag(sync=True)
     frozen = traitlets.Bool(False).tag(sync=True)
+    hang_report = traitlets.Unicode("").tag(sync=True)
+    """Where the ranks were when the run stopped making progress (empty while it makes some)."""
 
     def __init__(self, world_size: int, *, title: str = "", **kwargs: Any) -> None:
         super().__init__(title=title, **kwargs)
@@ -87,6 +89,11 @@ class Dashboard(anywidget.AnyWidget):
         with self._lock:
             self.state.notes.append(text)
             self._refresh(full=False)
+
+    def show_hang(self, report: str) -> None:
+        """Show a hang report (``%axon_cluster --hang-timeout``); ``""`` clears it."""
+        with self._lock:
+            self.hang_report = report
 
     # -- export ----------------------------------------------------------------------------
 

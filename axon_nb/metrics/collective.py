@@ -1,0 +1,208 @@
+"""The collective this rank is in, or was last in: what a hang report shows beside the stacks.
+
+:func:`install` wraps the ``torch.distributed`` collectives once, for the life of the rank
+(the bootstrap calls it). Each call overwrites one module-level record (kind, this rank's
+sequence number, group, bytes, start, end), so keeping it costs a few attribute writes per
+collective and no I/O. :func:`current` reads it as plain data, from any thread. The metrics
+meter (``comm.CommMeter``) wraps these wrappers while training and restores them after.
+
+A collective called from inside another (``all_gather_object`` calls ``all_gather``) is
+recorded once, as the outer one.
+
+Example (in a ``%%axon`` cell)::
+
+    from axon_nb.metrics import collective
+    dist.all_reduce(torch.ones(4))
+    collective.current()   # {"kind": "all_reduce", "seq": 1, "bytes": 16, "done": True, ...}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from axon_nb.metrics.comm import KINDS, payload_bytes
+
+TRACKED: tuple[str, ...] = (
+    *KINDS,
+    "all_reduce_coalesced",
+    "all_gather_coalesced",
+    "all_to_all",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+    "monitored_barrier",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "batch_isend_irecv",
+)
+"""``torch.distributed`` functions recorded (those the metrics meter measures, and more)."""
+
+_PEER_ARG = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+"""Point-to-point functions -> the keyword naming the peer (also their second argument)."""
+
+
+class _Record:
+    """One collective call. Written by the calling thread; read, never written, by others."""
+
+    __slots__ = (
+        "async_op", "end", "failed", "group", "kind", "nbytes", "peer", "seq", "start", "thread"
+    )  # fmt: skip
+
+    def __init__(self, kind: str, seq: int, group: Any, nbytes: int, peer: int | None) -> None:
+        self.kind, self.seq, self.group, self.nbytes, self.peer = kind, seq, group, nbytes, peer
+        self.start = time.monotonic()
+        self.end: float | None = None
+        self.async_op = False
+        self.failed = False
+        self.thread = threading.get_ident()
+
+
+_last: _Record | None = None
+_seq = 0
+_local = threading.local()
+_installed = False
+
+
+def install() -> None:
+    """Record every call of the tracked ``torch.distributed`` functions from now on.
+
+    Idempotent. Wrapping the module attributes (and ``distributed_c10d``'s, which is where
+    torch's own callers look them up) reaches DDP's hooks, FSDP and user code alike.
+    """
+    global _installed
+    if _installed:
+        return
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in TRACKED:
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        wrapped = _wrap(name, fn)
+        setattr(dist, name, wrapped)
+        if getattr(c10d, name, None) is fn:
+            setattr(c10d, name, wrapped)
+    _installed = True
+
+
+def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    kind = KINDS.get(name, name)
+    params = list(inspect.signature(fn).parameters)
+    at = params.index("group") if "group" in params else None  # found once, not per call
+
+    @functools.wraps(fn)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        global _last, _seq
+        if getattr(_local, "inside", False):
+            return fn(*args, **kwargs)
+        _seq += 1
+        group = kwargs.get("group")
+        if group is None and at is not None and len(args) > at:
+            group = args[at]
+        record = _Record(name, _seq, group, _bytes(kind, args, kwargs), _peer(name, args, kwargs))
+        _last = record
+        _local.inside = True
+        try:
+            work = fn(*args, **kwargs)
+        except BaseException:
+            record.failed = True
+            raise
+        finally:
+            _local.inside = False
+            record.end = time.monotonic()
+        if work is not None:  # async_op=True, isend/irecv, batch_isend_irecv: pending work
+            _track_async(record, work[-1] if isinstance(work, list) and work else work)
+        return work
+
+    return tracked
+
+
+def _track_async(record: _Record, work: Any) -> None:
+    """An ``async_op=True`` call returns at once; it is done when its work's future is."""
+    if not hasattr(work, "wait"):
+        return
+    record.async_op = True
+    try:
+        future = work.get_future()
+    except (AttributeError, RuntimeError):  # gloo's reduce-scatter: unknown, taken as done
+        return
+    record.end = None
+    future.add_done_callback(lambda _: setattr(record, "end", time.monotonic()))
+
+
+_NO_BYTES = frozenset(name for name in TRACKED if "object" in name or "barrier" in name) | {
+    "batch_isend_irecv"
+}
+"""Functions whose payload is not a tensor argument (objects pickled inside, barriers, P2P ops)."""
+
+
+def _bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    return None if kind in _NO_BYTES else payload_bytes(kind, args, kwargs)
+
+
+def _peer(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    key = _PEER_ARG.get(name)
+    if key is None:
+        return None
+    peer = kwargs.get(key, args[1] if len(args) > 1 else None)
+    return peer if isinstance(peer, int) else None
+
+
+def current() -> dict[str, Any] | None:
+    """The current or last collective of this rank as plain data; None before the first.
+
+    Keys: ``kind`` (the function called), ``seq`` (this rank's count of collectives so far),
+    ``group`` (its global ranks, None for the whole world), ``group_size``, ``bytes`` (None
+    where unknown), ``peer`` (send/recv), ``async_op``, ``done``, ``failed`` (it raised),
+    ``age_s`` (since it started), ``took_s`` (once done), ``main_thread`` (issued by the
+    rank's main thread) and ``backend`` (its group's). On NCCL, ``done`` means the host call
+    returned: the GPU runs the collective after that, and a rank's host thread waits for it
+    later (at ``.item()``, a synchronize, ...).
+    """
+    record = _last
+    if record is None:
+        return None
+    import torch.distributed as dist
+
+    ranks, size, backend = None, None, None
+    if dist.is_initialized():
+        with contextlib.suppress(ValueError, RuntimeError):  # (a group destroyed since)
+            backend = str(dist.get_backend(record.group))
+        if record.group is None:
+            size = dist.get_world_size()
+        else:
+            try:
+                ranks = dist.get_process_group_ranks(record.group)
+                size = len(ranks)
+            except (ValueError, RuntimeError):  # a group destroyed since
+                pass
+            if ranks == list(range(dist.get_world_size())):
+                ranks = None  # the whole world, under another group object
+    end, now = record.end, time.monotonic()
+    return {
+        "kind": record.kind,
+        "seq": record.seq,
+        "group": ranks,
+        "group_size": size,
+        "bytes": record.nbytes,
+        "peer": record.peer,
+        "async_op": record.async_op,
+        "done": end is not None,
+        "failed": record.failed,
+        "age_s": now - record.start,
+        "took_s": None if end is None else end - record.start,
+        "main_thread": record.thread == threading.main_thread().ident,
+        "backend": backend,
+    }
