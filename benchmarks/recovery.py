@@ -63,7 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     train: dict[str, Any] = dict(
-        model=lambda: GPT(GPTConfig(n_layer=4)),
+        model=lambda: GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4)),
         data=token_dataset,
         loss=lm_loss,
         steps=args.steps,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from axon_nb.checkpoint.format import Checkpoint
 from axon_nb.checkpoint.series import checkpoints, path_for
@@ -72,6 +73,8 @@ class PeriodicCheckpoints:
         # async_save runs its planning collectives in a background thread: on a group of its
         # own, so they never interleave with the training's collectives.
         self._group = dist.new_group(backend="gloo") if ctx.world_size > 1 else None
+        # The same layout every time: the planner caches its plans and skips re-planning.
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
         if ctx.rank == 0:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
 
@@ -115,7 +118,9 @@ class PeriodicCheckpoints:
         # a collective at the step boundary.
         tensors["rng"] = {str(self.ctx.rank): torch.get_rng_state()}
         meta = checkpoint_io.describe(state, self.ctx, path, "sharded", tensors)
-        future = dcp.async_save(tensors, checkpoint_id=partial, process_group=self._group)
+        future = dcp.async_save(
+            tensors, checkpoint_id=partial, process_group=self._group, planner=self._planner
+        )
         self._pending = _Pending(future=future, meta=meta, partial=partial)  # type: ignore[arg-type]
         self._since = time.monotonic()
 
