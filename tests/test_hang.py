@@ -93,9 +93,17 @@ def test_the_magic_refuses_a_bad_hang_timeout_with_what_to_do(shell, line: str) 
 # -- stacks on demand -----------------------------------------------------------------------
 
 
+def _import_this_module_on_the_ranks(cluster: axon_nb.Cluster) -> None:
+    # Functions of this module reach the ranks by reference: the first one sent imports the
+    # module there (pytest and all), which can take seconds on a loaded machine. Do it first,
+    # so the stacks below are taken where the test means them to be, not inside that import.
+    assert cluster.run(_sum_ranks) == [2.0, 2.0]
+
+
 def test_stacks_show_who_waits_in_which_collective_and_who_is_elsewhere(
     cluster: axon_nb.Cluster,
 ) -> None:
+    _import_this_module_on_the_ranks(cluster)
     idle = cluster.stacks()
     assert "ranks 0, 1 are idle" in str(idle)
 
@@ -125,6 +133,7 @@ def test_stacks_show_who_waits_in_which_collective_and_who_is_elsewhere(
 def test_a_rank_holding_the_gil_in_c_is_shown_from_its_native_dump(
     cluster: axon_nb.Cluster,
 ) -> None:
+    _import_this_module_on_the_ranks(cluster)
     ar = cluster.view([1]).apply_async(hold_the_gil)
     time.sleep(1.0)
     report = cluster.stacks(timeout=1.0)
