@@ -72,7 +72,7 @@ def join_world(
     targets = sorted(client.ids)
     try:
         if options.engines == "mpi":
-            ar = _view(client, targets).apply_async(entry.bootstrap_mpi, spec)
+            ar = view(client, targets).apply_async(entry.bootstrap_mpi, spec)
             summaries = results(wait(ar, targets))
         else:
             summaries = _join_planned_by_kernel(client, spec, targets, wait)
@@ -91,7 +91,7 @@ def _join_planned_by_kernel(
 ) -> list[dict[str, Any]]:
     """Engines without MPI: all on this host; the kernel plans, each rank joins."""
     probes = results(
-        wait(_view(client, targets).apply_async(entry.probe_by_engine_id, len(targets)), targets)
+        wait(view(client, targets).apply_async(entry.probe_by_engine_id, len(targets)), targets)
     )
     try:
         plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
@@ -121,5 +121,7 @@ def launcher_output(cluster: ipp.Cluster | None) -> str:
     return ("\nengine launcher output:\n" + "\n".join(tails)) if tails else ""
 
 
-def _view(client: ipp.Client, targets: list[int]) -> ipp.DirectView:
+def view(client: ipp.Client, targets: list[int]) -> ipp.DirectView:
+    """A view on ``targets``; one rank is addressed by its id, so results are not wrapped
+    in one-item lists (ipyparallel wraps them for list targets)."""
     return client[targets[0] if len(targets) == 1 else targets]

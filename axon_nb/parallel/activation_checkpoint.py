@@ -43,3 +43,9 @@ def apply_activation_checkpointing(model: nn.Module, interval: int) -> int:
 def canonical_name(name: str) -> str:
     """A parameter or buffer name as the unwrapped model has it."""
     return name.replace(WRAPPER_PREFIX, "")
+
+
+def parameter_names(module: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> name`` for ``module``'s parameters, names as the unwrapped model has
+    them (how optimizer state is keyed in checkpoints)."""
+    return {id(p): canonical_name(n) for n, p in module.named_parameters()}

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from axon_nb.parallel.dims import positive
+
 DATA_PARALLEL = ("none", "ddp", "fsdp", "zero1", "zero2")
 """How the data-parallel axes hold the model: not at all, replicated (DDP), sharded (FSDP),
 or whole with sharded optimizer state (ZeRO-1) and gradients too (ZeRO-2)."""
@@ -44,9 +46,9 @@ class DDPConfig:
             )
         if not _number(self.bucket_cap_mb) or not self.bucket_cap_mb > 0:
             errors.append(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
-        if not _positive(self.powersgd_rank):
+        if not positive(self.powersgd_rank):
             errors.append(f"powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
-        if not _positive(self.powersgd_start_step) or self.powersgd_start_step < 2:
+        if not positive(self.powersgd_start_step) or self.powersgd_start_step < 2:
             errors.append(
                 f"powersgd_start_step must be an integer >= 2 (PowerSGD needs plain all-reduce "
                 f"steps first), got {self.powersgd_start_step!r}"
@@ -77,7 +79,7 @@ class FSDPConfig:
             value = getattr(self, name)
             if value not in DTYPES:
                 errors.append(f"{name} must be 'bf16', 'fp16', 'fp32' or None, got {value!r}")
-        if self.min_params is not None and not _positive(self.min_params):
+        if self.min_params is not None and not positive(self.min_params):
             errors.append(f"min_params must be a positive integer, got {self.min_params!r}")
         return errors
 
@@ -119,9 +121,9 @@ class PipelineConfig:
         errors = []
         if self.schedule not in SCHEDULES:
             errors.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        if not _positive(self.microbatches):
+        if not positive(self.microbatches):
             errors.append(f"microbatches must be a positive integer, got {self.microbatches!r}")
-        if not _positive(self.virtual_stages):
+        if not positive(self.virtual_stages):
             errors.append(f"virtual_stages must be a positive integer, got {self.virtual_stages!r}")
         elif self.schedule == "interleaved_1f1b" and self.virtual_stages < 2:
             errors.append(
@@ -154,10 +156,6 @@ class ParallelConfig:
     """Options of the pipeline (used when ``pp > 1``)."""
     activation_checkpointing: int = 0
     """Recompute every n-th block's activations in backward; 0: off."""
-
-
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _number(value: Any) -> bool:

@@ -44,7 +44,7 @@ class ParallelDims:
     _meshes: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        bad = [f"{a}={getattr(self, a)!r}" for a in AXES if not _positive(getattr(self, a))]
+        bad = [f"{a}={getattr(self, a)!r}" for a in AXES if not positive(getattr(self, a))]
         if bad:
             raise ValueError(f"parallel degrees must be positive integers, got {', '.join(bad)}")
         product = self.pp * self.dp * self.tp
@@ -110,5 +110,6 @@ class ParallelDims:
         return self._meshes[device_type]
 
 
-def _positive(value: Any) -> bool:
+def positive(value: Any) -> bool:
+    """True for an ``int`` (not a bool) >= 1."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1

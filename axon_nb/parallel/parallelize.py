@@ -30,7 +30,11 @@ import torch.distributed as dist
 from torch import nn
 
 from axon_nb.parallel import pipeline, zero1
-from axon_nb.parallel.activation_checkpoint import apply_activation_checkpointing, canonical_name
+from axon_nb.parallel.activation_checkpoint import (
+    apply_activation_checkpointing,
+    canonical_name,
+    parameter_names,
+)
 from axon_nb.parallel.config import ParallelConfig, PipelineConfig, TensorConfig
 from axon_nb.parallel.ddp import apply_ddp
 from axon_nb.parallel.dims import ParallelDims
@@ -228,20 +232,18 @@ class ParallelModel:
         return dict(self.pipeline.last_step) if self.pipeline is not None else {}
 
     def _names(self) -> list[str]:
-        return [canonical_name(n) for n, _ in self.root.named_parameters()]
+        return list(parameter_names(self.root).values())
 
     def _zero_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(self.model, GradShardedModel):
-            ids = {id(p): canonical_name(n) for n, p in self.root.named_parameters()}
-            return self.model.full_optimizer_state(optimizer, ids)
+            return self.model.full_optimizer_state(optimizer, parameter_names(self.root))
         return zero1.full_optimizer_state(optimizer, self._names(), self.dp_group)  # type: ignore[arg-type]
 
     def _load_zero_optimizer_state(
         self, optimizer: torch.optim.Optimizer, named: dict[str, Any]
     ) -> None:
         if isinstance(self.model, GradShardedModel):
-            ids = {id(p): canonical_name(n) for n, p in self.root.named_parameters()}
-            self.model.load_full_optimizer_state(optimizer, named, ids)
+            self.model.load_full_optimizer_state(optimizer, named, parameter_names(self.root))
             return
         zero1.load_optimizer_state(optimizer, named, self._names())  # type: ignore[arg-type]
 

@@ -26,7 +26,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from axon_nb.parallel.activation_checkpoint import canonical_name
+from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
 from axon_nb.parallel.config import PipelineConfig
 from axon_nb.parallel.optim_state import by_index, by_name, single_group
 
@@ -283,11 +283,11 @@ def gather_optimizer_state(
 ) -> dict[str, Any]:
     """Every stage's optimizer state, unsharded and keyed by parameter name, on every rank
     (a collective), in the layout of an unsplit model's optimizer."""
-    names = _param_names(model)
+    names = parameter_names(model.root)
     local = by_name(optimizer.state_dict(), [names[id(p)] for p in _optimizer_params(optimizer)])
     mine = {n: {k: _full(v) for k, v in entry.items()} for n, entry in local["state"].items()}
     everyone = {"state": _merge_over_ranks(mine), "param_groups": local["param_groups"]}
-    return single_group(everyone, [canonical_name(n) for n, _ in model.root.named_parameters()])
+    return single_group(everyone, list(names.values()))
 
 
 def load_full_state(
@@ -302,7 +302,7 @@ def load_full_state(
                 tensor.copy_(_like(tensor, state["model"][canonical_name(name)]))
     if state["optimizer"] is None:
         return
-    names = _param_names(model)
+    names = parameter_names(model.root)
     params = _optimizer_params(optimizer)
     local = by_index(state["optimizer"], [names[id(p)] for p in params])
     local["state"] = {
@@ -310,10 +310,6 @@ def load_full_state(
         for i, e in local["state"].items()
     }
     optimizer.load_state_dict(local)
-
-
-def _param_names(model: PipelinedModel) -> dict[int, str]:
-    return {id(p): canonical_name(n) for n, p in model.root.named_parameters()}
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

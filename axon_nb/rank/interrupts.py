@@ -36,6 +36,9 @@ def in_import(frame: FrameType | None) -> bool:
 
 
 class _Guard:
+    """Raises ``KeyboardInterrupt`` for a SIGINT, or while inside an import, holds it back
+    and re-sends it every ``RETRY_S`` for as long as ``active``."""
+
     def __init__(self) -> None:
         self.active = True
         self.pending = False
@@ -85,6 +88,7 @@ class StopSignal:
     def __init__(self) -> None:
         self.requested = False
         self._saved: Any = None
+        self._guard = _Guard()  # for the second and later ones
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
@@ -92,6 +96,7 @@ class StopSignal:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._guard.active = False
         if self._saved is not None:
             signal.signal(signal.SIGINT, self._saved)
             self._saved = None
@@ -100,11 +105,4 @@ class StopSignal:
         if not self.requested:
             self.requested = True
             return
-        if in_import(frame):  # never leave a module half-imported: try again shortly
-            threading.Timer(RETRY_S, self._retry).start()
-            return
-        raise KeyboardInterrupt
-
-    def _retry(self) -> None:
-        if self._saved is not None:
-            os.kill(os.getpid(), signal.SIGINT)
+        self._guard.handle(signum, frame)

@@ -102,11 +102,6 @@ class SingleDevice(Strategy):
     name: ClassVar[str] = "single_device"
 
 
-def positive(value: object) -> bool:
-    """True for an ``int`` (not a bool) >= 1."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def divisors(n: int) -> list[int]:
     """Every positive divisor of ``n``, for error messages that say what would fit."""
     return [d for d in range(1, n + 1) if n % d == 0]

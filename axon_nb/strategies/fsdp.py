@@ -6,8 +6,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from axon_nb.parallel.config import FSDPConfig, ParallelConfig
-from axon_nb.parallel.dims import ParallelDims
-from axon_nb.strategies.base import Strategy, divisors, positive
+from axon_nb.parallel.dims import ParallelDims, positive
+from axon_nb.strategies.base import Strategy, divisors
 
 SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 

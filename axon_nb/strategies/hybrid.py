@@ -12,8 +12,8 @@ from axon_nb.parallel.config import (
     PipelineConfig,
     TensorConfig,
 )
-from axon_nb.parallel.dims import ParallelDims
-from axon_nb.strategies.base import Strategy, positive
+from axon_nb.parallel.dims import ParallelDims, positive
+from axon_nb.strategies.base import Strategy
 from axon_nb.strategies.fsdp import sharding_problems, split_data_parallel
 
 DATA_PARALLEL = ("fsdp", "ddp")
