@@ -45,7 +45,15 @@ def train_with_restarts(cluster: Cluster, spec: TrainSpec, start: Start) -> Trai
         except (RankDiedError, ClusterBrokenError) as error:
             failed_at = _keep_history(handle, history)
             if first_step is None:
-                first_step, target = _bounds(handle, spec)
+                bounds = _bounds(handle, spec)
+                if bounds is None:
+                    print(
+                        "Not restarting: the resumed run failed before any rank reported the "
+                        "step it resumed from",
+                        file=sys.stderr,
+                    )
+                    raise
+                first_step, target = bounds
             if len(restarts) >= spec.max_restarts:
                 raise
             began = time.monotonic()
@@ -93,13 +101,16 @@ def _keep_history(handle: TrainHandle, history: dict[int, dict[str, Any]]) -> in
     return streamed[-1]["step"] if streamed else 0
 
 
-def _bounds(handle: TrainHandle, spec: TrainSpec) -> tuple[int, int]:
-    """The step the first call started at, and the step the run must reach."""
+def _bounds(handle: TrainHandle, spec: TrainSpec) -> tuple[int, int] | None:
+    """The step the first call started at, and the step the run must reach; None when that
+    is unknown (a resumed run that failed before any rank reported)."""
     latest_messages = handle.latest
     if latest_messages:
         start = next(iter(latest_messages.values()))["start_step"]
-    else:  # it failed before any rank published: it started where the history starts
-        start = 0 if not spec.resume else min(handle.history[0]["step"] - 1, 0)
+    elif not spec.resume:
+        start = 0  # it failed before any rank reported: a fresh run starts at 0
+    else:
+        return None
     return start, start + spec.steps
 
 
