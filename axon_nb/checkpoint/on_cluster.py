@@ -40,8 +40,8 @@ def save(
     target.create_partial()
     try:
         targets = cluster.targets()
-        ar = cluster.view(targets).apply_async(entry.save_checkpoint, name, target)
-        results(cluster.wait(ar, targets, stream=True))
+        ar, interrupted = cluster.apply(targets, entry.save_checkpoint, name, target)
+        results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
     except BaseException:
         target.discard_partial()  # kept only if complete: then the error says where it is
         raise
@@ -65,6 +65,6 @@ def load(cluster: Cluster, path: str | os.PathLike[str], *, name: str = "model")
     """
     ckpt = Checkpoint.read(path)  # missing or incomplete: refused before any rank is asked
     targets = cluster.targets()
-    ar = cluster.view(targets).apply_async(entry.load_checkpoint, name, ckpt.path)
-    results(cluster.wait(ar, targets, stream=True))
+    ar, interrupted = cluster.apply(targets, entry.load_checkpoint, name, ckpt.path)
+    results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
     return ckpt

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import ipyparallel as ipp
 
 from axon_nb.cluster import hangs, reaper, startup
-from axon_nb.cluster.control import Control
+from axon_nb.cluster.control import Control, held_interrupts
 from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
 from axon_nb.cluster.launchers import LAUNCHERS
 from axon_nb.cluster.options import ClusterOptions
@@ -176,8 +176,8 @@ class Cluster:
             cluster.run(lambda: torch.distributed.get_rank())   # [0, 1, 2, 3]
         """
         targets = self.targets(ranks)
-        ar = self.view(targets).apply_async(fn, *args, **kwargs)
-        return results(self.wait(ar, targets, stream=stream))
+        ar, interrupted = self.apply(targets, fn, *args, **kwargs)
+        return results(self.wait(ar, targets, stream=stream, interrupted=interrupted))
 
     def execute(
         self, code: str, *, ranks: Sequence[int] | None = None, stream: bool = True
@@ -190,8 +190,9 @@ class Cluster:
             cluster.run(lambda: x)   # NameError: functions see their own globals, not the cell's
         """
         targets = self.targets(ranks)
-        ar = self.view(targets).execute(code, silent=False, block=False)
-        return self.wait(ar, targets, stream=stream)
+        with held_interrupts() as held:
+            ar = self.view(targets).execute(code, silent=False, block=False)
+        return self.wait(ar, targets, stream=stream, interrupted=held.arrived)
 
     def run_script(self, path: str, args: Sequence[str] = ()) -> list[int]:
         """Run an unmodified torchrun-style script on every rank (fresh processes, own world).
@@ -203,10 +204,10 @@ class Cluster:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such script: {path!r} (relative to {os.getcwd()})")
         targets = self.targets(None)
-        ar = self.view(targets).apply_async(
-            entry.run_script, os.path.abspath(path), list(args), os.getcwd()
+        ar, interrupted = self.apply(
+            targets, entry.run_script, os.path.abspath(path), list(args), os.getcwd()
         )
-        return results(self.wait(ar, targets, stream=True))
+        return results(self.wait(ar, targets, stream=True, interrupted=interrupted))
 
     # -- training and checkpoints: functions in their own packages ------------------------
 
@@ -300,10 +301,18 @@ class Cluster:
 
     # -- internals -------------------------------------------------------------------------
 
+    def apply(
+        self, targets: list[int], fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> tuple[ipp.AsyncResult, bool]:
+        """Send ``fn(*args, **kwargs)`` to ``targets`` without waiting: its ``AsyncResult``, and
+        whether a Ctrl-C came while sending (held back; pass it to :meth:`wait`)."""
+        with held_interrupts() as held:
+            ar = self.view(targets).apply_async(fn, *args, **kwargs)
+        return ar, held.arrived
+
     def view(self, targets: list[int]) -> ipp.DirectView:
-        """A view on ``targets``; one rank is addressed by its id, so results are not wrapped
-        in one-item lists (ipyparallel wraps them for list targets)."""
-        return self.client[targets[0] if len(targets) == 1 else targets]
+        """A view on ``targets`` (see ``startup.view``: one rank is addressed by its id)."""
+        return startup.view(self.client, targets)
 
     def targets(self, ranks: Sequence[int] | None = None) -> list[int]:
         """``ranks`` checked against the running world (all ranks for None), sorted."""

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import ipyparallel as ipp
@@ -60,3 +62,37 @@ class Control:
             self.client[free].apply_async(entry.sever).get(timeout=10)
         except Exception as e:
             print(f"could not release ranks {stuck}: {e}", file=sys.stderr)
+
+
+class HeldInterrupt:
+    """Whether a Ctrl-C arrived while it was held back (see :func:`held_interrupts`)."""
+
+    arrived = False
+
+
+@contextlib.contextmanager
+def held_interrupts() -> Iterator[HeldInterrupt]:
+    """Hold back Ctrl-C while work is being sent to the ranks.
+
+    An interrupt in the middle of sending would leave some ranks with the work and others
+    without, waiting for each other in a collective. The held one is delivered by the wait
+    that follows (``wait_for_ranks(interrupted=...)``), which forwards it to every rank.
+    Example::
+
+        with held_interrupts() as held:
+            ar = view.apply_async(fn)
+        cluster.wait(ar, targets, stream=True, interrupted=held.arrived)
+    """
+    held = HeldInterrupt()
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def hold(signum: int, frame: object) -> None:
+        held.arrived = True
+
+    saved = signal.signal(signal.SIGINT, hold)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, saved)

@@ -90,6 +90,7 @@ def wait_for_ranks(
     tick: Callable[[], None] | None = None,
     soft_stop_s: float | None = None,
     hang: HangWatch | None = None,
+    interrupted: bool = False,
 ) -> dict[int, ipp.AsyncResult]:
     """Wait for ``ar`` (one message per rank, in ``ranks`` order) and return its parts by rank.
 
@@ -103,7 +104,8 @@ def wait_for_ranks(
     ranks treat SIGINT as "stop at the next safe point" (the training loop does): Ctrl-C then
     waits up to that long for them to finish on their own and returns normally; a second
     Ctrl-C, or the time running out, interrupts them as above. ``hang`` is told of progress
-    (a rank finishing or printing) and reports a hang once.
+    (a rank finishing or printing) and reports a hang once. ``interrupted``: a Ctrl-C came
+    while the work was being sent (``control.held_interrupts``); it is handled first thing.
     """
     parts = dict(zip(ranks, ar.split(), strict=True))
     # Completion order tells cause from consequence: the rank that raised (or died) first
@@ -115,6 +117,8 @@ def wait_for_ranks(
     deadline = None if timeout is None else time.monotonic() + timeout
     running = ""
     try:
+        if interrupted:
+            raise KeyboardInterrupt
         while not _all_ready(parts):
             _flush(streams)
             if tick is not None:

@@ -51,9 +51,18 @@ class TrainHandle:
     """
 
     def __init__(
-        self, cluster: Cluster, ar: ipp.AsyncResult, targets: list[int], spec: TrainSpec, run: str
+        self,
+        cluster: Cluster,
+        ar: ipp.AsyncResult,
+        targets: list[int],
+        spec: TrainSpec,
+        run: str,
+        *,
+        interrupted: bool = False,
     ) -> None:
         self._cluster = cluster
+        self._interrupted = interrupted
+        """A Ctrl-C came while the run was being sent: the first wait delivers it."""
         self._ar = ar
         self._targets = targets
         self._spec = spec
@@ -193,6 +202,7 @@ class TrainHandle:
                     f"training {self.name!r} is still running after {timeout:g} s; call wait() "
                     "again, or stop() to end it at the next step"
                 )
+            interrupted, self._interrupted = self._interrupted, False
             try:
                 parts = self._cluster.wait(
                     self._ar,
@@ -201,6 +211,7 @@ class TrainHandle:
                     tick=self._tick,
                     soft_stop_s=SOFT_STOP_S,
                     watch_hangs=False,  # the monitor thread watches the steps instead
+                    interrupted=interrupted,
                 )
             finally:
                 # The monitor's last read and the dashboard's final state come before the result.

@@ -124,8 +124,8 @@ def start_run(
     """Send ``spec`` to every rank and return the run's handle at once."""
     targets = cluster.targets()
     run = uuid.uuid4().hex[:12]
-    ar = cluster.view(targets).apply_async(entry.train, cloudpickle.dumps(spec), run)
-    handle = TrainHandle(cluster, ar, targets, spec, run)
+    ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(spec), run)
+    handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted)
     for note in notes:
         handle.dashboard.note(note)
     cluster.last_run = handle
