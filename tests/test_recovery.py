@@ -77,7 +77,12 @@ def test_a_killed_rank_is_recovered_and_the_run_ends_as_if_never_killed(
         expected = cluster.run(full_params, stream=False)[0]
         kill_a_rank_at(cluster, kill_step, victim)
         result = cluster.train(
-            **args, checkpoint_dir=tmp_path, checkpoint_every=4, keep=2, max_restarts=2
+            **args,
+            checkpoint_dir=tmp_path,
+            checkpoint_every=4,
+            keep=2,
+            max_restarts=2,
+            metrics_interval_s=0.05,  # the killer sees the steps soon enough to land mid-run
         )
         assert len(result.restarts) == 1, result.restarts
         restart = result.restarts[0]
