@@ -67,7 +67,8 @@ class RankDiedError(RankError):
     def _headline(self) -> str:
         return (
             f"rank {self.rank} died while running ({self.evalue}). The world is broken: "
-            "run `%axon_cluster --restart` (or `cluster.restart()`) to start fresh ranks"
+            "run `%axon_cluster --restart` (or `cluster.restart()`) to start fresh ranks; "
+            "first, `cluster.rescue(path)` saves what the surviving ranks hold"
         )
 
     def _render_traceback_(self) -> list[str]:

@@ -1,12 +1,15 @@
-"""``save`` and ``load``: a training run's checkpoint, written and read by a cluster's ranks."""
+"""``save``, ``load`` and ``rescue``: a training run's checkpoint, written and read by a
+cluster's ranks."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 from axon_nb.checkpoint.format import Checkpoint, plan_save
-from axon_nb.cluster.waiting import results
+from axon_nb.cluster.control import Control
+from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.rank import entry
 
 if TYPE_CHECKING:
@@ -68,3 +71,55 @@ def load(cluster: Cluster, path: str | os.PathLike[str], *, name: str = "model")
     ar, interrupted = cluster.apply(targets, entry.load_checkpoint, name, ckpt.path)
     results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
     return ckpt
+
+
+def rescue(
+    cluster: Cluster,
+    path: str | os.PathLike[str],
+    *,
+    name: str = "model",
+    private: bool = True,
+) -> Checkpoint:
+    """Save training run ``name`` from the ranks still alive after a rank died.
+
+    No collective is used (the process group is broken): each survivor writes the pieces it
+    holds, and one survivor puts them together into an ordinary full checkpoint, loadable
+    with ``cluster.load`` after ``%axon_cluster --restart``. It works wherever the survivors
+    together hold every element of the model: DDP, ZeRO-1 and ZeRO-2 parameters, and any
+    replicated axis (a pipeline stage with a data-parallel twin). The optimizer state is kept
+    where the survivors hold all of it too (DDP, replicated FSDP or pipeline layouts); where
+    they do not, a warning says so and the checkpoint holds the model only. Where the model
+    itself is incomplete (FSDP, tensor parallel or a pipeline stage whose only rank died),
+    nothing is written and the error names the entries and rows the dead ranks held.
+
+    Example::
+
+        cluster.train(...)              # RankDiedError: rank 1 died while running
+        cluster.rescue("ckpt/rescued")  # from the survivors
+        %axon_cluster --restart
+        cluster.train(..., steps=0); cluster.load("ckpt/rescued")
+    """
+    alive, dead = cluster.survivors()
+    if not alive:
+        raise RuntimeError("no rank is alive: nothing can be rescued. Restart the cluster")
+    target = plan_save(path, "full", False, private)
+    target.create_partial()
+    try:
+        control = Control(cluster.client, alive)
+        ar = cluster.view(alive).apply_async(entry.rescue_pieces, name, target.partial)
+        results(wait_for_ranks(ar, alive, control=control, timeout=cluster.options.timeout))
+        ar = cluster.view([alive[0]]).apply_async(entry.rescue_assemble, name, target, dead)
+        (done,) = results(
+            wait_for_ranks(ar, alive[:1], control=control, timeout=cluster.options.timeout)
+        )
+    except BaseException:
+        target.discard_partial()
+        raise
+    if done["optimizer_missing"]:
+        warnings.warn(
+            f"the rescued checkpoint {target.path} holds the model only, not the optimizer "
+            f"state: {done['optimizer_missing']}. Training on from it starts the optimizer "
+            "afresh",
+            stacklevel=2,
+        )
+    return Checkpoint.read(target.path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -72,6 +73,7 @@ class Cluster:
         self._client: ipp.Client | None = None
         self._reaper: Any = None
         self._broken: str | None = None
+        self._dead: set[int] = set()
         self.ranks: list[dict[str, Any]] = []
         """One summary per rank (rank, host, pid, device, backend, ...), in rank order."""
         self.last_run: TrainHandle | None = None
@@ -121,6 +123,7 @@ class Cluster:
                 raise
             raise ClusterStartError(f"{e}{launcher_output}") from e
         self._broken = None
+        self._dead = set()
         return self
 
     def stop(self) -> None:
@@ -245,6 +248,32 @@ class Cluster:
 
         return load(self, *args, **kwargs)
 
+    def rescue(self, *args: Any, **kwargs: Any) -> Checkpoint:
+        """Save what the surviving ranks hold after a rank died (see
+        ``axon_nb.checkpoint.on_cluster.rescue``)."""
+        from axon_nb.checkpoint import on_cluster
+
+        return on_cluster.rescue(self, *args, **kwargs)
+
+    def survivors(self) -> tuple[list[int], list[int]]:
+        """``(alive, dead)`` ranks: a rank is dead once a call saw it die, once the controller
+        dropped its engine, or (on this host) once its process is gone. Example::
+
+            cluster.survivors()   # ([0, 2, 3], [1])
+        """
+        import psutil
+
+        here = socket.gethostname()
+        registered = set(self.client.ids)
+        dead = [
+            r["rank"]
+            for r in self.ranks
+            if r["rank"] in self._dead
+            or r["rank"] not in registered
+            or (r.get("host") == here and not psutil.pid_exists(r["pid"]))
+        ]
+        return [r["rank"] for r in self.ranks if r["rank"] not in dead], dead
+
     def interrupt(self, ranks: Sequence[int] | None = None) -> None:
         """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
         Control(self.client, []).interrupt(self.targets(ranks))
@@ -365,6 +394,7 @@ class Cluster:
                 ar, targets, control=control, stream=stream, timeout=timeout, hang=hang, **options
             )
         except RankDiedError as e:
+            self._dead.add(e.rank)
             self._broken = f"rank {e.rank} died"
             raise
         finally:

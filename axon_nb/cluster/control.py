@@ -45,7 +45,10 @@ class Control:
         self.signal(ranks, signal.SIGINT)
 
     def signal(self, ranks: list[int], sig: int) -> None:
-        """Send ``sig`` to ``ranks`` (SIGUSR1: ``faulthandler`` dumps their stacks)."""
+        """Send ``sig`` to ``ranks`` (SIGUSR1: ``faulthandler`` dumps their stacks); ranks whose
+        engine the controller has dropped (dead) are skipped."""
+        alive = set(self.client.ids)
+        ranks = [r for r in ranks if r in alive]
         if not ranks:
             return
         try:  # through the engines' nannies, so it works for any launcher and host
@@ -54,7 +57,8 @@ class Control:
             print(f"could not signal ranks {ranks}: {e}", file=sys.stderr)
 
     def release(self, stuck: list[int]) -> None:
-        free = [r for r in self.world_ranks if r not in stuck]
+        alive = set(self.client.ids)  # (a dead rank's engine cannot be asked anything)
+        free = [r for r in self.world_ranks if r not in stuck and r in alive]
         if not free or not stuck:
             return
         self.released = True

@@ -20,6 +20,10 @@ MPI_HINT = (
 )
 
 
+ENGINE_PARENT = [sys.executable, "-m", "axon_nb.rank.launch"]
+"""What ``mpiexec`` starts on each rank, with the engine's command as its arguments."""
+
+
 def find_mpiexec() -> str:
     """The ``mpiexec`` of this environment if it has one, else the first on ``PATH``."""
     beside_python = Path(sys.executable).parent / "mpiexec"
@@ -50,9 +54,16 @@ def _configure_mpi(cluster: ipp.Cluster) -> None:
     cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
     if _is_hydra(mpiexec):
         # Without this, MPICH kills every rank when one dies, and the kernel can no longer
-        # tell which rank it was. The survivors fail their next collective and are stopped
-        # with the engine set on restart.
+        # tell which rank it was. The survivors keep their state (``cluster.rescue``) until
+        # the engine set is stopped on restart. Each engine runs under ``rank/launch.py``,
+        # since hydra's proxy kills its other children when one is killed by a signal.
         cluster.config.MPIEngineSetLauncher.mpi_args = ["-disable-auto-cleanup"]
+        cluster.config.MPIEngineSetLauncher.engine_cmd = [
+            *ENGINE_PARENT,
+            sys.executable,
+            "-m",
+            "ipyparallel.engine",
+        ]
 
 
 def _configure_local(cluster: ipp.Cluster) -> None:

@@ -39,7 +39,7 @@ def save(name: str, target: SaveTarget) -> int:
     Every rank must call this: the state is gathered (``full``) or written shard by shard
     (``sharded``) with collectives. A failure on any rank fails the save on every rank.
     """
-    state = _run(name, "save")
+    state = run_named(name, "save")
     ctx = runtime.context()
     tensors = state.parallel.get_state(state.optimizer, full=target.kind == "full")
     rng = _gather_rng(ctx)
@@ -47,7 +47,7 @@ def save(name: str, target: SaveTarget) -> int:
     if target.kind == "full":
         if ctx.rank == 0:
             try:
-                _write_full({**tensors, "rng": rng}, target.partial)
+                write_full({**tensors, "rng": rng}, target.partial)
             except Exception as e:
                 error = e
     else:
@@ -71,7 +71,7 @@ def load(name: str, path: str) -> int:
     ``weights_only=True``, a sharded checkpoint through :class:`SafeReader`.
     """
     ckpt = Checkpoint.read(path)
-    state = _run(name, "load")
+    state = run_named(name, "load")
     ctx = runtime.context()
     _check_fits(ckpt, state)
     if ckpt.kind == "sharded":
@@ -97,8 +97,9 @@ def load(name: str, path: str) -> int:
     if state.scaler is not None and trainer["scaler"]:
         state.scaler.load_state_dict(trainer["scaler"])
     state.step = ckpt.step
-    if ckpt.world_size == ctx.world_size:  # random streams belong to ranks
-        torch.set_rng_state(tensors["rng"][str(ctx.rank)].cpu())
+    mine = tensors["rng"].get(str(ctx.rank))  # (a rescue has no stream for the dead ranks)
+    if ckpt.world_size == ctx.world_size and mine is not None:  # streams belong to ranks
+        torch.set_rng_state(mine.cpu())
     return state.step
 
 
@@ -107,7 +108,8 @@ def model_shapes(module: nn.Module) -> dict[str, list[int]]:
     return {canonical_name(key): list(value.shape) for key, value in module.state_dict().items()}
 
 
-def _run(name: str, verb: str) -> TrainState:
+def run_named(name: str, verb: str) -> TrainState:
+    """Run ``name`` on this rank, or a KeyError saying how to make one to ``verb``."""
     try:
         return trainstate.get(name)
     except KeyError:
@@ -137,7 +139,7 @@ def _check_fits(ckpt: Checkpoint, state: TrainState) -> None:
     ]
     if shapes:
         problems.append(f"different shapes (checkpoint vs model): {_some(shapes)}")
-    optimizer = _optimizer_class(state.optimizer)
+    optimizer = optimizer_class(state.optimizer)
     if ckpt.trainer["optimizer_state"] and ckpt.optimizer != optimizer:
         problems.append(f"the checkpoint's optimizer is {ckpt.optimizer}, this run's {optimizer}")
     if problems:
@@ -154,11 +156,14 @@ def _some(items: list[str], limit: int = 5) -> str:
     return ", ".join(items[:limit]) + more
 
 
-def _optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
+    """The user's optimizer class name (``AdamW``), also inside ZeroRedundancyOptimizer."""
     return type(getattr(optimizer, "optim", optimizer)).__name__
 
 
-def _trainer_state(state: TrainState, optimizer_state: bool) -> dict[str, Any]:
+def trainer_state(state: TrainState, optimizer_state: bool) -> dict[str, Any]:
+    """The marker's ``trainer`` entry: scheduler and scaler state, and whether the checkpoint
+    holds optimizer state."""
     return {
         "scheduler": state.scheduler.state_dict(),
         "scaler": state.scaler.state_dict() if state.scaler is not None else {},
@@ -191,7 +196,8 @@ def _agree(ctx: runtime.RankContext, error: Exception | None, what: str) -> None
         raise RuntimeError(f"rank {rank} could not {what}: {text}")
 
 
-def _write_full(state: dict[str, Any], partial: str) -> None:
+def write_full(state: dict[str, Any], partial: str) -> None:
+    """Write a full checkpoint's ``state.pt`` into ``partial`` and flush it to disk."""
     os.makedirs(partial, exist_ok=True)  # the kernel created it; a direct call may not have
     file = os.path.join(partial, FULL_STATE_FILE)
     torch.save(state, file)
@@ -294,14 +300,14 @@ def describe(
         step=state.step,
         world_size=ctx.world_size,
         strategy=state.strategy.describe(),
-        optimizer=_optimizer_class(state.optimizer),
+        optimizer=optimizer_class(state.optimizer),
         model=model_shapes(state.module),
-        trainer=_trainer_state(state, bool(tensors["optimizer"].get("state"))),
+        trainer=trainer_state(state, bool(tensors["optimizer"].get("state"))),
     )
 
 
-def complete(meta: Checkpoint, partial: str, path: str) -> None:
-    """(Rank 0, once every part is on disk) mark ``partial`` complete and move it to a new
-    ``path`` (owner-only), as :func:`save` does."""
-    target = SaveTarget(path=path, partial=partial, kind=meta.kind, replaces=None)
+def complete(meta: Checkpoint, partial: str, path: str, *, private: bool = True) -> None:
+    """(One rank, once every part is on disk) mark ``partial`` complete and move it to a new
+    ``path`` (owner-only if ``private``), as :func:`save` does."""
+    target = SaveTarget(path=path, partial=partial, kind=meta.kind, replaces=None, private=private)
     _complete(meta, target)

@@ -104,6 +104,21 @@ def load_checkpoint(name: str, path: str) -> int:
         return checkpoint_io.load(name, path)
 
 
+def rescue_pieces(name: str, directory: str) -> dict[str, Any]:
+    """(Each survivor of a dead rank) write the pieces of run ``name`` this rank holds into
+    ``directory``, with no collective."""
+    from axon_nb.rank import rescue
+
+    return rescue.write_pieces(name, directory)
+
+
+def rescue_assemble(name: str, target: SaveTarget, dead: list[int]) -> dict[str, Any]:
+    """(One survivor) put every survivor's pieces together into a full checkpoint."""
+    from axon_nb.rank import rescue
+
+    return rescue.assemble(name, target, dead)
+
+
 def run_script(path: str, args: list[str], cwd: str) -> int:
     """Run a torchrun-style script as a child process of this rank; its exit code."""
     from axon_nb.rank import script

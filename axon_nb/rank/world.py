@@ -17,8 +17,10 @@ from datetime import timedelta
 
 from axon_nb.rank import runtime
 
-_world_sockets: dict[int, str] = {}
-"""fd -> socket identity ("socket:[inode]") of the connections the current world opened."""
+_engine_sockets: set[str] | None = None
+"""Identities ("socket:[inode]") of the sockets open before this rank first joined a world:
+the engine's own (its controller connections). Every TCP connection opened since belongs to
+the world's groups (the default one, mesh subgroups, a checkpoint group) or to user code."""
 
 
 def open_sockets() -> dict[int, str]:
@@ -41,26 +43,21 @@ def open_sockets() -> dict[int, str]:
     return found
 
 
-def remember_world_sockets(before: dict[int, str]) -> None:
-    """Record the sockets ``init_process_group`` opened (those not open ``before`` it)."""
-    old = set(before.values())
-    _world_sockets.clear()
-    _world_sockets.update({fd: s for fd, s in open_sockets().items() if s not in old})
-
-
 def sever() -> int:
-    """Shut down this rank's connected world sockets; listeners are left alone. Returns count."""
+    """Shut down every TCP connection this rank opened since it first joined a world (every
+    process group's, subgroups included; a user's own connections too, which a failed run
+    loses anyway); the engine's own and listeners are left alone. Returns the count."""
     count = 0
-    now = open_sockets()
-    for fd, identity in sorted(_world_sockets.items()):
-        if now.get(fd) != identity:  # closed by its owner, maybe reused for something else
+    for fd, identity in sorted(open_sockets().items()):
+        if _engine_sockets is None or identity in _engine_sockets:
             continue
         try:
             sock = socket.socket(fileno=fd)
         except OSError:
             continue
         try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            tcp = sock.family in (socket.AF_INET, socket.AF_INET6)
+            if tcp and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 sock.shutdown(socket.SHUT_RDWR)
                 count += 1
         except OSError:
@@ -71,10 +68,13 @@ def sever() -> int:
 
 
 def init_process_group(ctx: runtime.RankContext) -> None:
-    """``init_process_group`` for ``ctx``'s rank, remembering the sockets it opens."""
+    """``init_process_group`` for ``ctx``'s rank (the first call notes the engine's own
+    sockets, which :func:`sever` leaves alone)."""
     import torch.distributed as dist
 
-    before = open_sockets()
+    global _engine_sockets
+    if _engine_sockets is None:
+        _engine_sockets = set(open_sockets().values())
     dist.init_process_group(
         ctx.backend,
         init_method="env://",
@@ -83,7 +83,6 @@ def init_process_group(ctx: runtime.RankContext) -> None:
         timeout=timedelta(seconds=ctx.timeout_s),
         **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}),
     )
-    remember_world_sockets(before)
 
 
 def reform(master_port: int) -> dict[str, object]:
