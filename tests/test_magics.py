@@ -135,6 +135,30 @@ def test_axon_run_runs_a_torchrun_script_and_leaves_the_cluster_usable(
     assert "[rank 1] 2.0" in capsys.readouterr().out
 
 
+MPI_SCRIPT = """
+import os, sys
+from mpi4py import MPI   # a singleton MPI of its own: no PMI variables of the engine's
+keys = ["GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"]
+leaked = sorted(k for k in os.environ if k.startswith(("PMI_", "HYDI_", "MPI_LOCAL")))
+print(f"mpi size={MPI.COMM_WORLD.Get_size()} leaked={leaked}",
+      *[f"{k}={os.environ[k]}" for k in keys], flush=True)
+"""
+
+
+def test_axon_run_gives_torchrun_variables_and_no_mpi_ones(shell, capsys, tmp_path) -> None:
+    engine_env = _cluster(shell).run(lambda: sorted(os.environ), ranks=[0], stream=False)[0]
+    assert "PMI_RANK" in engine_env  # what the script must not inherit
+    script = tmp_path / "hello_mpi.py"
+    script.write_text(MPI_SCRIPT)
+    shell.run_line_magic("axon_run", str(script))
+    out = capsys.readouterr().out
+    for rank in (0, 1):
+        assert (
+            f"[rank {rank}] mpi size=1 leaked=[] GROUP_RANK=0 ROLE_RANK={rank} ROLE_WORLD_SIZE=2 "
+            "LOCAL_WORLD_SIZE=2 OMP_NUM_THREADS=1"
+        ) in out
+
+
 def test_axon_run_reports_a_failing_rank_and_a_missing_script(shell, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no such script"):
         shell.run_line_magic("axon_run", str(tmp_path / "nope.py"))

@@ -110,3 +110,41 @@ def test_bad_checkpoint_options_are_refused(cluster: axon_nb.Cluster, tmp_path: 
         cluster.train(
             **ARGS, checkpoint_dir=tmp_path, checkpoint_every=2, max_restarts=1, block=False
         )
+
+
+def _rank_3_of_4_dies_at_its_7th_step(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """lm_loss, but rank 3 of a 4-rank world is SIGKILLed at its 7th step of every run: a
+    rank that cannot come back."""
+    import signal
+
+    import torch.distributed as dist
+
+    calls = int(os.environ.get("AXON_TEST_LOSS_CALLS", "0")) + 1
+    os.environ["AXON_TEST_LOSS_CALLS"] = str(calls)  # (fresh engines start from 0)
+    if dist.get_world_size() == 4 and dist.get_rank() == 3 and calls == 7:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return lm_loss(output, target)
+
+
+def test_a_rank_that_cannot_come_back_is_left_out(tmp_path: Path) -> None:
+    args = {**ARGS, "steps": 16}
+    with axon_nb.Cluster(n=4, timeout=60) as cluster:
+        whole = cluster.train(**args)
+        with pytest.raises(ValueError, match="min_ranks=5 is more than the 4 ranks"):
+            cluster.train(**args, checkpoint_dir=tmp_path, checkpoint_every=4, max_restarts=1,
+                          min_ranks=5)  # fmt: skip
+        result = cluster.train(
+            **{**args, "loss": _rank_3_of_4_dies_at_its_7th_step},
+            checkpoint_dir=tmp_path,
+            checkpoint_every=4,
+            max_restarts=3,
+            min_ranks=2,
+        )
+        # rank 3 died at its 7th step, and again after a restart on 4 ranks; 3 ranks
+        # cannot split batch_size=16, so the run went on with 2
+        assert [(r["rank"], r["world_size"]) for r in result.restarts] == [(3, 4), (3, 2)]
+        assert all(r["failed_at_step"] >= 6 for r in result.restarts)  # (the last step streamed)
+        assert len(cluster.ranks) == 2
+        assert [h["step"] for h in result.history] == list(range(1, 17))
+        # the same samples per step; only the order of the smaller world's sums differs
+        assert result.losses == pytest.approx(whole.losses, rel=1e-4)

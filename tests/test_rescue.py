@@ -51,9 +51,8 @@ def test_ddp_survivors_are_rescued_and_the_run_continues_exactly(tmp_path: Path)
     with axon_nb.Cluster(n=2, timeout=60) as cluster:
         whole = cluster.train(**ARGS, strategy=DDP())
         expected = cluster.run(full_params, stream=False)[0]
-        cluster.train(**{**ARGS, "steps": 0}, strategy=DDP(), name="other")
         _killed_mid_run(cluster, DDP(), victim=1)
-        with pytest.raises(RankError, match="no training run named .nope. on this rank to rescue"):
+        with pytest.raises(RankError, match=r"no training run named 'nope' on this rank to"):
             cluster.rescue(tmp_path / "nope", name="nope")
         assert not list(tmp_path.iterdir())  # the failed rescue left nothing
         ckpt = cluster.rescue(tmp_path / "rescued")

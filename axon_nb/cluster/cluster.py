@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -144,8 +145,14 @@ class Cluster:
             self._watch = None
         self.ranks = []
 
-    def restart(self) -> Cluster:
-        """Stop everything and start fresh ranks with the same options."""
+    def restart(self, n: int | None = None) -> Cluster:
+        """Stop everything and start fresh ranks with the same options (``n`` ranks if given).
+        Example::
+
+            cluster.restart(n=2)   # go on with 2 ranks
+        """
+        if n is not None:
+            self.options = dataclasses.replace(self.options, n=n)  # checked before stopping
         self.stop()
         return self.start()
 

@@ -1,8 +1,10 @@
 """Run an unmodified torchrun-style script from a rank, as a fresh process with its own world.
 
-The script sees the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT) on a new rendezvous port, so its own ``init_process_group`` and
-``destroy_process_group`` never touch the engine's world, which stays usable afterwards.
+The script sees the environment torchrun gives its workers (:func:`torchrun_env`) on a new
+rendezvous port, so its own ``init_process_group`` and ``destroy_process_group`` never touch
+the engine's world, which stays usable afterwards. None of the engine's MPI variables
+(``PMI_*``, ``HYDI_*``, ``MPIR_*``, ``OMPI_*``, ...) reach it: a script may start MPI itself
+(``mpiexec -n 2 python script.py`` inside it, or a singleton ``from mpi4py import MPI``).
 """
 
 from __future__ import annotations
@@ -28,15 +30,7 @@ def run_script(path: str, args: list[str], cwd: str) -> int:
     ctx = runtime.context()
     port = [free_port() if ctx.rank == 0 else 0]
     dist.broadcast_object_list(port, src=0)
-    env = os.environ | {
-        "RANK": str(ctx.rank),
-        "WORLD_SIZE": str(ctx.world_size),
-        "LOCAL_RANK": str(ctx.local_rank),
-        "LOCAL_WORLD_SIZE": str(ctx.local_world_size),
-        "MASTER_ADDR": ctx.master_addr,
-        "MASTER_PORT": str(port[0]),
-        "PYTHONUNBUFFERED": "1",
-    }
+    env = torchrun_env(dict(os.environ), ctx, port[0])
     proc = subprocess.Popen(
         [sys.executable, path, *args],
         cwd=cwd,
@@ -57,6 +51,41 @@ def run_script(path: str, args: list[str], cwd: str) -> int:
     if code != 0:
         raise ScriptError(f"{os.path.basename(path)} exited with status {code}")
     return code
+
+
+MPI_PREFIXES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPICH_", "OMPI_", "I_MPI_", "MPI_")
+"""Variables an MPI launcher sets for the engine's own MPI process, which a child process
+would take for its own (``PMI_Init returned -1``)."""
+
+
+def torchrun_env(environ: dict[str, str], ctx: runtime.RankContext, port: int) -> dict[str, str]:
+    """``environ`` without the engine's MPI variables, plus what torchrun sets for worker
+    ``ctx.rank`` (one worker group, one restart attempt). Example::
+
+        torchrun_env(dict(os.environ), runtime.context(), 29500)["ROLE_RANK"]   # "3"
+    """
+    env = {k: v for k, v in environ.items() if not k.startswith(MPI_PREFIXES)}
+    group_rank = ctx.rank // ctx.local_world_size  # the host's index, torchrun's node rank
+    env |= {
+        "RANK": str(ctx.rank),
+        "WORLD_SIZE": str(ctx.world_size),
+        "LOCAL_RANK": str(ctx.local_rank),
+        "LOCAL_WORLD_SIZE": str(ctx.local_world_size),
+        "GROUP_RANK": str(group_rank),
+        "GROUP_WORLD_SIZE": str(ctx.world_size // ctx.local_world_size),
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(ctx.rank),
+        "ROLE_WORLD_SIZE": str(ctx.world_size),
+        "MASTER_ADDR": ctx.master_addr,
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several workers per host
+    return env
 
 
 def _terminate(proc: subprocess.Popen[str]) -> None:

@@ -45,6 +45,7 @@ def train(
     checkpoint_every_s: float | None = None,
     keep: int | None = None,
     max_restarts: int = 0,
+    min_ranks: int | None = None,
     block: bool = True,
 ) -> TrainResult | TrainHandle:
     """Train ``model`` on every rank of ``cluster`` with ``strategy`` (default ``DDP()``).
@@ -59,7 +60,10 @@ def train(
     With ``checkpoint_dir``, a sharded checkpoint is written there every ``checkpoint_every``
     steps and/or ``checkpoint_every_s`` seconds, in the background (only the newest ``keep``
     stay); with ``max_restarts``, a rank that dies makes the kernel restart the ranks, load
-    the newest checkpoint and train on to the same step count (``result.restarts``).
+    the newest checkpoint and train on to the same step count (``result.restarts``). With
+    ``min_ranks``, a rank that cannot come back (the restart fails, or the same rank dies
+    again) is left out: training goes on with fewer ranks, at least ``min_ranks``, where the
+    strategy's layout and ``batch_size`` allow it.
 
     Returns a :class:`TrainResult`, or with ``block=False`` a :class:`TrainHandle` at once.
     Ctrl-C stops every rank at the same step boundary and returns the result so far.
@@ -97,8 +101,13 @@ def train(
         checkpoint_every_s=checkpoint_every_s,
         keep=keep,
         max_restarts=max_restarts,
+        min_ranks=min_ranks,
     )
     check_world(spec, len(cluster.targets()), cluster.ranks_per_host)
+    if spec.min_ranks is not None and spec.min_ranks > len(cluster.ranks):
+        raise ValueError(
+            f"min_ranks={spec.min_ranks} is more than the {len(cluster.ranks)} ranks running"
+        )
     if spec.max_restarts:
         if not block:
             raise ValueError(

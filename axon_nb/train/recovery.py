@@ -6,6 +6,12 @@ The resumed run continues the checkpoint's step count, optimizer, schedule, rand
 data order, so for a deterministic model it ends exactly where an uninterrupted run ends.
 Steps after the checkpoint are computed again; ``result.history`` is one continuous history
 (the recomputed steps replace the lost ones) and ``result.restarts`` says what happened.
+
+With ``min_ranks``, a rank that cannot come back (the ranks do not all start again, or the
+same rank dies in the restarted run too) is left out: the run goes on with the largest
+number of ranks, at least ``min_ranks``, that its layout and global batch fit, loading the
+checkpoint resharded. The result then differs from an uninterrupted run by the floating-point
+order of the smaller world's reductions.
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from axon_nb.checkpoint.on_cluster import load
 from axon_nb.checkpoint.series import latest, remove_partial
-from axon_nb.errors import ClusterBrokenError, RankDiedError
+from axon_nb.errors import AxonError, ClusterBrokenError, ClusterStartError, RankDiedError
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.result import TrainResult
-from axon_nb.train.spec import TrainSpec
+from axon_nb.train.spec import TrainSpec, check_world
 
 if TYPE_CHECKING:
     from axon_nb.cluster import Cluster
@@ -64,8 +70,11 @@ def train_with_restarts(cluster: Cluster, spec: TrainSpec, start: Start) -> Trai
                 f"step {failed_at}; resuming from "
                 + (f"checkpoint step {resumed_from}" if ckpt else "the start (no checkpoint yet)")
             )
+            world = _world_after(cluster, spec, error, restarts)
+            if world < len(cluster.ranks):
+                note += f"; rank {error.rank} died again, so going on with {world} ranks"
             print(note, file=sys.stderr)
-            cluster.restart()
+            world = _restart(cluster, spec, world)
             remove_partial(spec.checkpoint_dir)
             assert target is not None
             if ckpt is None:
@@ -77,6 +86,8 @@ def train_with_restarts(cluster: Cluster, spec: TrainSpec, start: Start) -> Trai
             restarts.append(
                 {
                     "error": str(error),
+                    "rank": getattr(error, "rank", None),
+                    "world_size": world,
                     "failed_at_step": failed_at,
                     "resumed_from": resumed_from,
                     "seconds": time.monotonic() - began,
@@ -91,6 +102,54 @@ def train_with_restarts(cluster: Cluster, spec: TrainSpec, start: Start) -> Trai
         start_step=first_step if first_step is not None else result.start_step,
         restarts=restarts,
     )
+
+
+def _world_after(
+    cluster: Cluster, spec: TrainSpec, error: Exception, restarts: list[dict[str, Any]]
+) -> int:
+    """How many ranks to restart: as many as before, unless ``min_ranks`` allows fewer and
+    the rank that died had died in the run before too (it cannot come back)."""
+    world = len(cluster.ranks)
+    rank = getattr(error, "rank", None)  # (a ClusterBrokenError names none)
+    again = rank is not None and bool(restarts) and restarts[-1]["rank"] == rank
+    if spec.min_ranks is None or not again:
+        return world
+    return _smaller_world(cluster, spec, world, error)
+
+
+def _restart(cluster: Cluster, spec: TrainSpec, world: int) -> int:
+    """Restart with ``world`` ranks, or (with ``min_ranks``) fewer while starting fails; the
+    number started."""
+    while True:
+        try:
+            cluster.restart(n=world)
+            return world
+        except ClusterStartError as error:
+            if spec.min_ranks is None:
+                raise
+            world = _smaller_world(cluster, spec, world, error)
+            print(f"the ranks did not all start ({error}); trying {world}", file=sys.stderr)
+
+
+def _smaller_world(cluster: Cluster, spec: TrainSpec, world: int, error: Exception) -> int:
+    """The largest number of ranks below ``world`` and at least ``min_ranks`` that the run's
+    layout and batch fit; raises (from ``error``) when there is none."""
+    assert spec.min_ranks is not None
+    one_host = cluster.options.n == cluster.ranks_per_host or not cluster.ranks
+    refused = []
+    for n in range(world - 1, spec.min_ranks - 1, -1):
+        try:
+            check_world(spec, n, n if one_host else cluster.ranks_per_host)
+            return n
+        except ValueError as why:
+            refused.append(f"{n}: {why}")
+    raise AxonError(
+        f"the run cannot go on: a rank cannot come back, and no world of {spec.min_ranks} to "
+        f"{world - 1} ranks fits it ("
+        + ("; ".join(refused) or f"min_ranks={spec.min_ranks} is not below {world}")
+        + "). Its newest checkpoint is in "
+        f"{spec.checkpoint_dir}"
+    ) from error
 
 
 def _keep_history(handle: TrainHandle, history: dict[int, dict[str, Any]]) -> int:

@@ -85,6 +85,10 @@ class TrainSpec:
     max_restarts: int = 0
     """When a rank dies, restart the ranks and resume from the newest checkpoint in
     ``checkpoint_dir``, at most this many times."""
+    min_ranks: int | None = None
+    """With ``max_restarts``: when the ranks cannot all come back (the restart fails, or the
+    same rank dies again in the restarted run), go on with fewer ranks, down to this many,
+    resharding the checkpoint (elastic). None: always restart the same number."""
 
     @property
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -208,6 +212,17 @@ def _check_checkpoints(spec: TrainSpec) -> list[str]:
         errors.append(f"keep must be an integer >= 1 (checkpoints kept), got {spec.keep!r}")
     if not isinstance(spec.max_restarts, int) or spec.max_restarts < 0:
         errors.append(f"max_restarts must be an integer >= 0, got {spec.max_restarts!r}")
+    if spec.min_ranks is not None:
+        if (
+            isinstance(spec.min_ranks, bool)
+            or not isinstance(spec.min_ranks, int)
+            or spec.min_ranks < 1
+        ):
+            errors.append(f"min_ranks must be an integer >= 1, got {spec.min_ranks!r}")
+        elif not spec.max_restarts:
+            errors.append(
+                "min_ranks needs max_restarts >= 1: it says how far a restart may shrink the world"
+            )
     if spec.checkpoint_dir is None:
         needs = [n for n in ("checkpoint_every", "checkpoint_every_s", "keep") if getattr(spec, n)]
         if spec.max_restarts:
