@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
+import psutil
 
 from axon_nb.cluster import hangs, reaper, startup
 from axon_nb.cluster.control import Control, held_interrupts
@@ -32,6 +35,11 @@ from axon_nb.rank.watch import NATIVE_SIGNAL
 if TYPE_CHECKING:
     from axon_nb.checkpoint import Checkpoint
     from axon_nb.train import TrainHandle, TrainResult
+
+
+SHUTDOWN_WAIT_S = 4.0
+"""How long :meth:`Cluster.stop` waits for engines asked to exit, before the launcher's
+SIGTERM (and SIGKILL 5 s later) ends them."""
 
 
 class Cluster:
@@ -130,6 +138,12 @@ class Cluster:
     def stop(self) -> None:
         """Stop engines and controller. Safe to call twice."""
         if self._client is not None:
+            # Ask the engines to exit first: mpiexec then ends at once, where a SIGTERM to it
+            # would wait seconds for engines that do not act on it. Dead or stuck ones are
+            # still ended by the launcher's SIGTERM and SIGKILL.
+            with contextlib.suppress(Exception):
+                self._client.shutdown(targets="all", block=False)
+                self._wait_engines_exit(SHUTDOWN_WAIT_S)
             self._client.close()
             self._client = None
         if self._ipp is not None:
@@ -268,8 +282,6 @@ class Cluster:
 
             cluster.survivors()   # ([0, 2, 3], [1])
         """
-        import psutil
-
         here = socket.gethostname()
         registered = set(self.client.ids)
         dead = [
@@ -430,6 +442,17 @@ class Cluster:
         )
         return report
 
+    def _wait_engines_exit(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the engine launchers' processes (``mpiexec``) to end."""
+        processes = [
+            launcher.process
+            for launcher in (self._ipp.engines.values() if self._ipp is not None else [])
+            if getattr(launcher, "process", None) is not None
+        ]
+        deadline = time.monotonic() + seconds
+        while any(_running(p) for p in processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def _reform_world(self) -> None:
         """Every rank leaves the severed process group and joins a fresh one."""
         print(
@@ -449,3 +472,10 @@ class Cluster:
         return self.wait(
             ar, targets, stream=True, timeout=self.options.start_timeout, watch_hangs=False
         )
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
