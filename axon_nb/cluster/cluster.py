@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -138,11 +139,15 @@ class Cluster:
     def stop(self) -> None:
         """Stop engines and controller. Safe to call twice."""
         if self._client is not None:
-            # Ask the engines to exit first: mpiexec then ends at once, where a SIGTERM to it
-            # would wait seconds for engines that do not act on it. Dead or stuck ones are
-            # still ended by the launcher's SIGTERM and SIGKILL.
+            # Ask the engines to exit first (a broken world's survivors are killed, through
+            # their nannies): mpiexec then ends at once, where a SIGTERM to it would wait
+            # seconds for engines that do not act on it. Engines that do not exit are still
+            # ended by the launcher's SIGTERM and SIGKILL.
             with contextlib.suppress(Exception):
-                self._client.shutdown(targets="all", block=False)
+                if self._broken:  # survivors of a dead rank may be stuck in a native wait
+                    self._client.send_signal(signal.SIGKILL, targets="all", block=False)
+                else:
+                    self._client.shutdown(targets="all", block=False)
                 self._wait_engines_exit(SHUTDOWN_WAIT_S)
             self._client.close()
             self._client = None
