@@ -6,7 +6,7 @@ runs again (the first step after the restart), and the steps computed again. The
 run with and without periodic checkpoints, alternating, and last the slowdown of the runs with
 checkpoints against those without (ratio of median wall times; target <= 1.05).
 
-    python benchmarks/recovery.py [--ranks 4] [--steps 100] [--repeats 3]
+    python benchmarks/recovery.py [--ranks 4] [--steps 100] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--every", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)

@@ -118,6 +118,7 @@ class PeriodicCheckpoints:
         # a collective at the step boundary.
         tensors["rng"] = {str(self.ctx.rank): torch.get_rng_state()}
         meta = checkpoint_io.describe(state, self.ctx, path, "sharded", tensors)
+        os.makedirs(partial, mode=0o700, exist_ok=True)  # owner-only while written, too
         future = dcp.async_save(
             tensors, checkpoint_id=partial, process_group=self._group, planner=self._planner
         )
