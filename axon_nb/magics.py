@@ -192,6 +192,7 @@ class AxonMagics(Magics):
         cluster.start()
         self.cluster = cluster
         print(cluster.table())
+        print(cluster.exposure())
 
     def _stop_command(self) -> None:
         if self.cluster is None:

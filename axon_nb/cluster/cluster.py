@@ -335,6 +335,24 @@ class Cluster:
             timeout=timeout,
         )
 
+    def exposure(self) -> str:
+        """One line: what the cluster's processes listen on, beyond this kernel. Example::
+
+            cluster.exposure()   # 'Listening on loopback only: ...'
+        """
+        if not self.ranks:
+            return "Not running: nothing listens."
+        stores = {r.get("store", "") for r in self.ranks}
+        if stores == {"file"}:
+            return (
+                "Listening on loopback only: the controller, MPI and gloo bind 127.0.0.1, and the "
+                "ranks meet through a store file in an owner-only directory."
+            )
+        return (
+            f"Listening beyond loopback: the rendezvous store on {', '.join(sorted(stores))}; "
+            "gloo and MPI on each rank's address."
+        )
+
     def table(self) -> str:
         """The ranks as a text table: rank, host, pid, device, backend."""
         rows = [("rank", "host", "pid", "device", "backend")]

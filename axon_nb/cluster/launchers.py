@@ -24,15 +24,16 @@ ENGINE_PARENT = [sys.executable, "-m", "axon_nb.rank.launch"]
 """What ``mpiexec`` starts on each rank, with the engine's command as its arguments."""
 
 
-def find_mpiexec() -> str:
-    """The ``mpiexec`` of this environment if it has one, else the first on ``PATH``."""
-    beside_python = Path(sys.executable).parent / "mpiexec"
+def find_mpiexec(kind: str = "mpiexec") -> str:
+    """The ``kind`` launcher (``mpiexec``, ``mpiexec.gforker``) of this environment if it has
+    one, else the first on ``PATH``."""
+    beside_python = Path(sys.executable).parent / kind
     if beside_python.exists():
         return str(beside_python)
-    found = shutil.which("mpiexec")
+    found = shutil.which(kind)
     if found is None:
         raise ClusterStartError(
-            f"no `mpiexec` found (looked next to {sys.executable} and on PATH). {MPI_HINT}"
+            f"no `{kind}` found (looked next to {sys.executable} and on PATH). {MPI_HINT}"
         )
     return found
 
@@ -48,22 +49,34 @@ def _is_hydra(mpiexec: str) -> bool:
     return "HYDRA" in text
 
 
+LOOPBACK_MPI_ENV = {
+    "MPIR_CVAR_CH4_NETMOD": "ofi",  # libfabric's tcp provider, bound to loopback
+    "FI_PROVIDER": "tcp",
+    "FI_TCP_IFACE": "lo",
+}
+"""MPICH's network module on one host: it listens on loopback only (ranks on one host talk
+through shared memory anyway)."""
+
+
 def _configure_mpi(cluster: ipp.Cluster) -> None:
-    mpiexec = find_mpiexec()
-    cluster.engine_launcher_class = "mpi"
-    cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+    """One host: MPICH's ``gforker``, which starts the ranks as its own children and talks to
+    them over socket pairs, so nothing listens beyond loopback (hydra's ``mpiexec`` listens on
+    all interfaces for its proxies). Elsewhere (another MPI): its ``mpiexec``."""
+    launcher = cluster.config.MPIEngineSetLauncher
+    try:
+        mpiexec = find_mpiexec("mpiexec.gforker")
+    except ClusterStartError:
+        mpiexec = find_mpiexec()
+    launcher.mpi_cmd = [mpiexec]
+    launcher.environment = dict(LOOPBACK_MPI_ENV)
+    # A rank killed by a signal must not take the others with it (hydra's and gforker's
+    # process managers kill the rest): each engine runs under ``rank/launch.py``, which turns
+    # that into an exit status. The survivors keep their state (``cluster.rescue``).
+    launcher.engine_cmd = [*ENGINE_PARENT, sys.executable, "-m", "ipyparallel.engine"]
     if _is_hydra(mpiexec):
-        # Without this, MPICH kills every rank when one dies, and the kernel can no longer
-        # tell which rank it was. The survivors keep their state (``cluster.rescue``) until
-        # the engine set is stopped on restart. Each engine runs under ``rank/launch.py``,
-        # since hydra's proxy kills its other children when one is killed by a signal.
-        cluster.config.MPIEngineSetLauncher.mpi_args = ["-disable-auto-cleanup"]
-        cluster.config.MPIEngineSetLauncher.engine_cmd = [
-            *ENGINE_PARENT,
-            sys.executable,
-            "-m",
-            "ipyparallel.engine",
-        ]
+        # Without this, hydra kills every rank when one exits early, and the kernel can no
+        # longer tell which rank it was.
+        launcher.mpi_args = ["-disable-auto-cleanup"]
 
 
 def _configure_local(cluster: ipp.Cluster) -> None:

@@ -99,6 +99,7 @@ def join_world(plan: RankPlan, timeout_s: float, *, watch_dir: str | None = None
         master_addr=plan.master_addr,
         master_port=plan.master_port,
         timeout_s=timeout_s,
+        store_dir=watch_dir if all_local else None,
     )
     world.init_process_group(ctx)
     runtime.set_context(ctx)

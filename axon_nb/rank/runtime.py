@@ -37,6 +37,10 @@ class RankContext:
     """Port of the rendezvous store."""
     timeout_s: float
     """Timeout of collectives in seconds."""
+    store_dir: str | None = None
+    """When every rank is on one host: the owner-only directory whose file is the rendezvous
+    store (a ``FileStore``, so no rank listens on a port for it); None: a ``TCPStore`` on
+    ``master_addr:master_port``."""
 
     def summary(self) -> dict[str, Any]:
         """Plain-data description, safe to send to the kernel (no torch objects)."""
@@ -51,6 +55,7 @@ class RankContext:
             "backend": self.backend,
             "master_addr": self.master_addr,
             "master_port": self.master_port,
+            "store": "file" if self.store_dir else f"tcp://{self.master_addr}:{self.master_port}",
         }
 
 

@@ -23,6 +23,10 @@ the engine's own (its controller connections). Every TCP connection opened since
 the world's groups (the default one, mesh subgroups, a checkpoint group) or to user code."""
 
 
+_worlds_joined = 0
+"""How many worlds this rank has joined (names each one's store file)."""
+
+
 def open_sockets() -> dict[int, str]:
     """This process's sockets as fd -> ``socket:[inode]`` (Linux ``/proc``; empty elsewhere).
 
@@ -72,12 +76,19 @@ def init_process_group(ctx: runtime.RankContext) -> None:
     sockets, which :func:`sever` leaves alone)."""
     import torch.distributed as dist
 
-    global _engine_sockets
+    global _engine_sockets, _worlds_joined
     if _engine_sockets is None:
         _engine_sockets = set(open_sockets().values())
+    init_method = "env://"
+    if ctx.store_dir is not None:
+        # A fresh file for every world this rank joins (ranks join and re-form together, so
+        # they count alike): a severed world's store may be left behind.
+        store = os.path.join(ctx.store_dir, f"store-{ctx.master_port}-{_worlds_joined}")
+        init_method = f"file://{store}"
+    _worlds_joined += 1
     dist.init_process_group(
         ctx.backend,
-        init_method="env://",
+        init_method=init_method,
         rank=ctx.rank,
         world_size=ctx.world_size,
         timeout=timedelta(seconds=ctx.timeout_s),

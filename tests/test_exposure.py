@@ -1,0 +1,60 @@
+"""Nothing exposed that need not be: every socket any process of a one-host cluster listens on
+(controller, mpiexec, the ranks' parents, engines, nannies, the reaper) is on loopback, also
+after training (gloo groups, mesh subgroups, a checkpoint group) and a re-formed world."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import psutil
+import pytest
+from models import make_data, make_mlp, mse
+
+import axon_nb
+from axon_nb import FSDP
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def _cluster_processes() -> list[psutil.Process]:
+    return psutil.Process().children(recursive=True)
+
+
+def _listening() -> list[tuple[int, str, str, int]]:
+    """(pid, command, address, port) of every listening TCP socket and bound UDP socket of
+    this process's descendants."""
+    found = []
+    for proc in _cluster_processes():
+        try:
+            command = " ".join(proc.cmdline()[1:4])
+            conns = proc.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        for conn in conns:
+            udp = conn.type == socket.SOCK_DGRAM
+            if conn.status == psutil.CONN_LISTEN or udp:
+                found.append((proc.pid, command, conn.laddr.ip, conn.laddr.port))
+    return found
+
+
+def test_a_one_host_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
+    with axon_nb.Cluster(n=2, timeout=60) as cluster:
+        assert "loopback only" in cluster.exposure()
+        cluster.train(
+            model=make_mlp, data=make_data, loss=mse, steps=4, batch_size=16, strategy=FSDP(),
+            checkpoint_dir=tmp_path, checkpoint_every=2,
+        )  # fmt: skip
+        kinds = {cmd for _, cmd, _, _ in _listening()}
+        assert any("ipyparallel.controller" in k for k in kinds)
+        assert any("ipyparallel.engine" in k for k in kinds)  # gloo, MPI, zmq: all seen
+        exposed = [entry for entry in _listening() if entry[2] not in LOOPBACK]
+        assert exposed == [], exposed
+        cluster._reform_world()  # a fresh world: a new store file, new gloo listeners
+        assert cluster.run(lambda: __import__("torch").distributed.get_world_size()) == [2, 2]
+        exposed = [entry for entry in _listening() if entry[2] not in LOOPBACK]
+        assert exposed == [], exposed
+        engine_pids = [r["pid"] for r in cluster.ranks]
+    assert not [p for p in engine_pids if psutil.pid_exists(p)]
