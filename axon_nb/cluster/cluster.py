@@ -338,7 +338,7 @@ class Cluster:
     def exposure(self) -> str:
         """One line: what the cluster's processes listen on, beyond this kernel. Example::
 
-            cluster.exposure()   # 'Listening on loopback only: ...'
+        cluster.exposure()   # 'Listening on loopback only: ...'
         """
         if not self.ranks:
             return "Not running: nothing listens."
