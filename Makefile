@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Pinned so pip takes the CPU wheel on CPU machines; override on GPU hosts, e.g. TORCH=torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint chromium bench clean
+.PHONY: install demo test lint chromium sshd bench clean
 
 install: $(VENV)/.installed
 
@@ -30,7 +30,16 @@ chromium:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "chromium could not be installed: tests/test_browser.py will be skipped"
 
-test: lint chromium
+# tests/test_hosts.py makes other hosts from network namespaces, each running a real sshd.
+# Where sshd cannot be installed (not root, no apt), those tests are skipped and say why.
+sshd:
+	@{ [ -x /usr/sbin/sshd ] && command -v ip >/dev/null; } || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server openssh-client \
+	      iproute2 >/dev/null; } || \
+	  echo "sshd could not be installed: tests/test_hosts.py will be skipped"
+
+test: lint chromium sshd
 	$(BIN)/python -m pytest
 
 bench: install

@@ -13,7 +13,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import publish_display_data
 
 from axon_nb.cluster import Cluster
-from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus
+from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus, parse_hosts, read_hostfile
 from axon_nb.cluster.waiting import RankStreams
 from axon_nb.errors import NoClusterError
 from axon_nb.rank.placement import BACKENDS
@@ -44,6 +44,9 @@ class AxonMagics(Magics):
         default=None,
         help="show every rank's stacks once after this many seconds without progress",
     )
+    @argument("--hosts", default=None, help="start ranks on these hosts over ssh: node1:4,node2:4")
+    @argument("--hostfile", default=None, help="a file of host:slots lines, instead of --hosts")
+    @argument("--iface", default=None, help="network interface the ranks use across hosts")
     @argument("--stop", action="store_true", help="stop the running cluster")
     @argument("--restart", action="store_true", help="stop the running cluster, start anew")
     @argument("--status", action="store_true", help="show the running cluster's ranks")
@@ -53,7 +56,7 @@ class AxonMagics(Magics):
 
         ::
 
-            In [1]: %axon_cluster 4 --hang-timeout 300
+            In [1]: %axon_cluster 4 --hang-timeout 300   # or --hosts node1:4,node2:4 --iface eth1
             rank  host  pid    device  backend
             0     node  12345  cpu     gloo
             ...
@@ -236,9 +239,19 @@ def _cluster_from_args(args: Any) -> Cluster:
             gpus=parse_gpus(args.gpus),
             timeout=args.timeout,
             hang_timeout=args.hang_timeout,
+            hosts=_hosts_from_args(args),
+            iface=args.iface,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _hosts_from_args(args: Any) -> tuple[tuple[str, int], ...] | None:
+    if args.hosts is not None and args.hostfile is not None:
+        raise ValueError("give --hosts or --hostfile, not both")
+    if args.hostfile is not None:
+        return read_hostfile(args.hostfile)
+    return parse_hosts(args.hosts) if args.hosts is not None else None
 
 
 def _parse_ranks(text: str | None) -> list[int] | None:

@@ -14,6 +14,7 @@ def probes(num_gpus: int, n: int = 2, hosts: tuple[str, ...] = ("a",)) -> list[P
             rank=r,
             host=hosts[r // per_host],
             ip=f"10.0.0.{r // per_host + 1}",
+            iface="eth1",
             pid=100 + r,
             num_gpus=num_gpus,
             local_rank=r % per_host,

@@ -20,7 +20,7 @@ from axon_nb.cluster import hangs, reaper, startup
 from axon_nb.cluster.control import Control, held_interrupts
 from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
 from axon_nb.cluster.launchers import LAUNCHERS
-from axon_nb.cluster.options import ClusterOptions
+from axon_nb.cluster.options import ClusterOptions, parse_hosts
 from axon_nb.cluster.stacks import StackReport
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.errors import (
@@ -68,7 +68,11 @@ class Cluster:
         timeout: float = 300.0,
         start_timeout: float = 180.0,
         hang_timeout: float | None = None,
+        hosts: Sequence[tuple[str, int]] | str | None = None,
+        iface: str | None = None,
     ) -> None:
+        if isinstance(hosts, str):
+            hosts = parse_hosts(hosts)
         self.options = ClusterOptions(
             n=n,
             engines=engines,
@@ -77,6 +81,8 @@ class Cluster:
             timeout=timeout,
             start_timeout=start_timeout,
             hang_timeout=hang_timeout,
+            hosts=tuple((str(h), int(c)) for h, c in hosts) if hosts is not None else None,
+            iface=iface,
         )
         self._ipp: ipp.Cluster | None = None
         self._watch: WatchDir | None = None
@@ -114,7 +120,7 @@ class Cluster:
             raise AxonError("the cluster is already running; stop() or restart() it first")
         opts = self.options
         cluster = ipp.Cluster(n=opts.n, engines=opts.engines, log_level=logging.WARNING)
-        LAUNCHERS[opts.engines](cluster)  # may raise (no mpiexec) before anything starts
+        LAUNCHERS[opts.engines](cluster, opts)  # may raise (no mpiexec) before anything starts
         self._ipp = cluster
         try:
             self._watch = WatchDir.create()
@@ -124,7 +130,11 @@ class Cluster:
             self._client = cluster.connect_client_sync()
             startup.wait_for_engines(cluster, self._client, opts)
             self.ranks = startup.join_world(
-                self._client, opts, self._wait_start, str(self._watch.path)
+                self._client,
+                opts,
+                self._wait_start,
+                str(self._watch.path),
+                kernel_addr=cluster.controller_ip or None,
             )
         except BaseException as e:
             launcher_output = startup.launcher_output(self._ipp)
@@ -137,7 +147,14 @@ class Cluster:
         return self
 
     def stop(self) -> None:
-        """Stop engines and controller. Safe to call twice."""
+        """Stop engines and controller. Safe to call twice. A Ctrl-C meanwhile is held until
+        everything is stopped (an interrupted stop would leave processes behind)."""
+        with held_interrupts() as held:
+            self._stop()
+        if held.arrived:
+            print("(Ctrl-C was held until the cluster had stopped)", file=sys.stderr)
+
+    def _stop(self) -> None:
         if self._client is not None:
             # Ask the engines to exit first (a broken world's survivors are killed, through
             # their nannies): mpiexec then ends at once, where a SIGTERM to it would wait
@@ -348,9 +365,11 @@ class Cluster:
                 "Listening on loopback only: the controller, MPI and gloo bind 127.0.0.1, and the "
                 "ranks meet through a store file in an owner-only directory."
             )
+        controller = self._ipp.controller_ip if self._ipp is not None else "?"
         return (
-            f"Listening beyond loopback: the rendezvous store on {', '.join(sorted(stores))}; "
-            "gloo and MPI on each rank's address."
+            f"Listening on the ranks' network: the controller on {controller}, the rendezvous "
+            f"store on {', '.join(sorted(stores))}, gloo and MPI on each rank's address; "
+            "also hydra's mpiexec on every interface of this host (MPICH cannot narrow it)."
         )
 
     def table(self) -> str:

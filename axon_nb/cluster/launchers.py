@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import ipyparallel as ipp
 
+from axon_nb.cluster.options import ClusterOptions, format_hosts
 from axon_nb.errors import ClusterStartError
 
 MPI_HINT = (
@@ -58,17 +60,34 @@ LOOPBACK_MPI_ENV = {
 through shared memory anyway)."""
 
 
-def _configure_mpi(cluster: ipp.Cluster) -> None:
+def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions) -> None:
     """One host: MPICH's ``gforker``, which starts the ranks as its own children and talks to
     them over socket pairs, so nothing listens beyond loopback (hydra's ``mpiexec`` listens on
-    all interfaces for its proxies). Elsewhere (another MPI): its ``mpiexec``."""
+    all interfaces for its proxies). Elsewhere (another MPI): its ``mpiexec``.
+
+    Across hosts (``options.hosts``): hydra's ``mpiexec`` starts a proxy on each host over
+    ssh (``-launcher ssh``; ``HYDRA_LAUNCHER_EXEC`` names another ssh), and MPI talks on
+    ``options.iface``."""
     launcher = cluster.config.MPIEngineSetLauncher
-    try:
-        mpiexec = find_mpiexec("mpiexec.gforker")
-    except ClusterStartError:
+    extra: list[str] = []
+    if options.hosts is not None:
         mpiexec = find_mpiexec()
+        extra = ["-launcher", "ssh", "-hosts", format_hosts(options.hosts)]
+        environment = {k: v for k, v in LOOPBACK_MPI_ENV.items() if k != "FI_TCP_IFACE"}
+        if options.iface is not None:  # (hydra's -iface would apply to this host too)
+            environment["FI_TCP_IFACE"] = options.iface
+        kernel_addr = route_address(options.hosts[0][0])
+        cluster.controller_ip = kernel_addr  # the ranks' network, not every interface
+        cluster.controller_location = kernel_addr
+        extra += ["-localhost", kernel_addr]  # where the proxies reach mpiexec
+    else:
+        try:
+            mpiexec = find_mpiexec("mpiexec.gforker")
+        except ClusterStartError:
+            mpiexec = find_mpiexec()
+        environment = dict(LOOPBACK_MPI_ENV)
     launcher.mpi_cmd = [mpiexec]
-    launcher.environment = dict(LOOPBACK_MPI_ENV)
+    launcher.environment = environment
     # A rank killed by a signal must not take the others with it (hydra's and gforker's
     # process managers kill the rest): each engine runs under ``rank/launch.py``, which turns
     # that into an exit status. The survivors keep their state (``cluster.rescue``).
@@ -76,14 +95,24 @@ def _configure_mpi(cluster: ipp.Cluster) -> None:
     if _is_hydra(mpiexec):
         # Without this, hydra kills every rank when one exits early, and the kernel can no
         # longer tell which rank it was.
-        launcher.mpi_args = ["-disable-auto-cleanup"]
+        launcher.mpi_args = ["-disable-auto-cleanup", *extra]
 
 
-def _configure_local(cluster: ipp.Cluster) -> None:
+def route_address(host: str) -> str:
+    """This machine's address on the network that reaches ``host`` (a route lookup)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # nothing is sent
+            return str(s.getsockname()[0])
+    except OSError as e:
+        raise ClusterStartError(f"cannot reach host {host!r} from here: {e}") from None
+
+
+def _configure_local(cluster: ipp.Cluster, options: ClusterOptions) -> None:
     cluster.engine_launcher_class = "local"
 
 
-LAUNCHERS: dict[str, Callable[[ipp.Cluster], None]] = {
+LAUNCHERS: dict[str, Callable[[ipp.Cluster, ClusterOptions], None]] = {
     "mpi": _configure_mpi,
     "local": _configure_local,
 }

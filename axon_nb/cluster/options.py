@@ -28,6 +28,17 @@ class ClusterOptions:
     hang_timeout: float | None = None
     """Seconds without progress (no step, or no rank finishing or printing) after which every
     rank's stacks are shown once; None: never."""
+    hosts: tuple[tuple[str, int], ...] | None = None
+    """``(host, slots)`` pairs: MPI starts the ranks on them over ssh, filling each host's
+    slots in order; None: every rank on this host."""
+    iface: str | None = None
+    """With ``hosts``: the network interface the ranks use (gloo, NCCL, MPI and the
+    rendezvous); None: the one that routes to this kernel's host."""
+
+    @property
+    def multi_host(self) -> bool:
+        """True when ranks are started on other hosts."""
+        return self.hosts is not None
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -44,7 +55,14 @@ class ClusterOptions:
                 f"unknown backend {self.backend!r}: choose one of {', '.join(BACKENDS)}"
             )
         if self.gpus is not None:
-            _check_gpus(self.gpus, self.n, self.backend)
+            _check_gpus(self.gpus, self.n, self.backend, self.hosts)
+        if self.hosts is not None:
+            _check_hosts(self.hosts, self.n, self.engines)
+        elif self.iface is not None:
+            raise ValueError(
+                "--iface chooses the network of a cluster across hosts: give --hosts or "
+                "--hostfile too (ranks on one host talk over loopback)"
+            )
         for name in ("timeout", "start_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
@@ -59,16 +77,72 @@ class ClusterOptions:
             )
 
 
-def _check_gpus(gpus: tuple[int, ...], n: int, backend: str) -> None:
+def _check_hosts(hosts: tuple[tuple[str, int], ...], n: int, engines: str) -> None:
+    if engines != "mpi":
+        raise ValueError(
+            f"--hosts starts ranks with MPI over ssh: use --engines mpi, not {engines}"
+        )
+    if not hosts:
+        raise ValueError("--hosts lists no host: give e.g. --hosts node1:4,node2:4")
+    slots = sum(count for _, count in hosts)
+    if n > slots:
+        raise ValueError(
+            f"{n} ranks do not fit the {slots} slots of --hosts "
+            f"{format_hosts(hosts)}: start at most {slots} ranks or list more slots"
+        )
+
+
+def format_hosts(hosts: tuple[tuple[str, int], ...]) -> str:
+    """``((h1, 4), (h2, 4))`` as ``"h1:4,h2:4"`` (MPICH's ``-hosts`` form)."""
+    return ",".join(f"{host}:{count}" for host, count in hosts)
+
+
+def parse_hosts(text: str) -> tuple[tuple[str, int], ...]:
+    """Parse ``"node1:4,node2:4"`` (a host without ``:N`` has 1 slot) into pairs. Example::
+
+    parse_hosts("node1:4,node2")   # (("node1", 4), ("node2", 1))
+    """
+    pairs = []
+    for part in text.replace("\n", ",").split(","):
+        part = part.split("#")[0].strip()
+        if not part:
+            continue
+        host, _, count = part.partition(":")
+        try:
+            slots = int(count) if count else 1
+        except ValueError:
+            slots = 0
+        if not host or slots < 1:
+            raise ValueError(
+                f"bad host entry {part!r}: write host or host:slots, e.g. node1:4,node2:4"
+            )
+        pairs.append((host, slots))
+    return tuple(pairs)
+
+
+def read_hostfile(path: str) -> tuple[tuple[str, int], ...]:
+    """Hosts from an MPICH-style host file: one ``host`` or ``host:slots`` per line, ``#``
+    comments."""
+    try:
+        with open(path) as f:
+            return parse_hosts(f.read())
+    except OSError as e:
+        raise ValueError(f"cannot read the host file {path}: {e.strerror}") from None
+
+
+def _check_gpus(
+    gpus: tuple[int, ...], n: int, backend: str, hosts: tuple[tuple[str, int], ...] | None
+) -> None:
     if not gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
         raise ValueError(f"gpus must be CUDA device indices like 0,1,2, got {gpus!r}")
     if len(set(gpus)) != len(gpus):
         raise ValueError(f"gpus lists a device twice: {gpus!r}; give each device once")
-    # Every launcher here starts all ranks on this host, so this is known before starting.
-    if backend == "nccl" and len(gpus) < n:
+    per_host = n if hosts is None else min(n, max(count for _, count in hosts))
+    if backend == "nccl" and len(gpus) < per_host:
         raise ValueError(
             f"--backend nccl needs one GPU per rank, but --gpus lists {len(gpus)} device(s) "
-            f"for {n} ranks: list {n} devices, start {len(gpus)} ranks, or use --backend gloo"
+            f"for {per_host} ranks on a host: list {per_host} devices, start {len(gpus)} ranks "
+            "a host, or use --backend gloo"
         )
 
 

@@ -31,7 +31,8 @@ def wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, options: ClusterO
     short_since: float | None = None
     while len(client.ids) < n:
         now = time.monotonic()
-        alive = local_rank_processes(cluster) if options.engines == "mpi" else None
+        local = options.engines == "mpi" and not options.multi_host
+        alive = local_rank_processes(cluster) if local else None
         short_since = (short_since or now) if alive is not None and alive < n else None
         stopped = any(launcher.state == "after" for launcher in cluster.engines.values())
         # Spawning takes milliseconds; a rank missing for a while has exited.
@@ -49,25 +50,39 @@ def wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, options: ClusterO
 
 
 def local_rank_processes(cluster: ipp.Cluster) -> int | None:
-    """Rank processes alive under this host's MPI proxies; None where they are not visible."""
-    count, seen_proxy = 0, False
+    """Rank processes alive under this host's MPI launcher (each rank's parent,
+    ``rank/launch.py``, lives exactly as long as its engine); None before any was spawned."""
+    count = 0
     for launcher in cluster.engines.values():
         try:
-            for child in psutil.Process(launcher.pid).children():
-                if child.name().startswith("hydra_pmi_proxy"):
-                    seen_proxy = True
-                    count += sum(c.status() != psutil.STATUS_ZOMBIE for c in child.children())
+            below = psutil.Process(launcher.pid).children(recursive=True)
         except psutil.Error:
             continue
-    return count if seen_proxy else None
+        for proc in below:
+            try:
+                if "axon_nb.rank.launch" in proc.cmdline() and proc.status() != "zombie":
+                    count += 1
+            except psutil.Error:
+                continue
+    return count or None
 
 
 def join_world(
-    client: ipp.Client, options: ClusterOptions, wait: Wait, watch_dir: str | None = None
+    client: ipp.Client,
+    options: ClusterOptions,
+    wait: Wait,
+    watch_dir: str | None = None,
+    kernel_addr: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Every rank joins the torch world (and watches ``watch_dir``); summaries in rank order."""
+    """Every rank joins the torch world (and watches ``watch_dir``); summaries in rank order.
+    Across hosts, ``kernel_addr`` is this host's address on the ranks' network."""
     spec = BootstrapSpec(
-        backend=options.backend, gpus=options.gpus, timeout_s=options.timeout, watch_dir=watch_dir
+        backend=options.backend,
+        gpus=options.gpus,
+        timeout_s=options.timeout,
+        watch_dir=watch_dir,
+        iface=options.iface,
+        kernel_addr=kernel_addr,
     )
     targets = sorted(client.ids)
     try:

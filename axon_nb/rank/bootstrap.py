@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
+
 from axon_nb.rank import runtime, world
 from axon_nb.rank.placement import PlacementError, Probe, RankPlan, plan_world
 
@@ -28,17 +30,27 @@ class BootstrapSpec:
     """Timeout of collectives, in seconds."""
     watch_dir: str | None = None
     """The cluster's owner-only directory where the kernel asks for stacks (``rank/watch.py``)."""
+    iface: str | None = None
+    """Across hosts: the network interface the ranks use; None: the one that routes to
+    ``kernel_addr``."""
+    kernel_addr: str | None = None
+    """Across hosts: the kernel host's address on the ranks' network (the controller's)."""
 
 
-def probe(rank: int, local_rank: int, local_world_size: int) -> Probe:
-    """Describe this engine: host, pid, visible GPUs and a free port."""
+def probe(
+    rank: int, local_rank: int, local_world_size: int, spec: BootstrapSpec | None = None
+) -> Probe:
+    """Describe this engine: host, its address on the ranks' network, pid, visible GPUs and
+    a free port."""
     import torch  # engine side: counting devices is fine here, the kernel never does it
 
     host = socket.gethostname()
+    ip = _address(host, spec or BootstrapSpec())
     return Probe(
         rank=rank,
         host=host,
-        ip=_host_ip(host),
+        ip=ip,
+        iface=_interface_of(ip),
         pid=os.getpid(),
         num_gpus=torch.cuda.device_count(),
         local_rank=local_rank,
@@ -55,7 +67,7 @@ def bootstrap_mpi(spec: BootstrapSpec) -> dict[str, Any]:
     rank = comm.Get_rank()
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     try:
-        mine = probe(rank, node.Get_rank(), node.Get_size())
+        mine = probe(rank, node.Get_rank(), node.Get_size(), spec)
     finally:
         node.Free()
     # Every rank plans from the same probes, so all of them raise the same error or none does.
@@ -76,10 +88,10 @@ def join_world(plan: RankPlan, timeout_s: float, *, watch_dir: str | None = None
         raise RuntimeError("this engine already belongs to a process group; restart the cluster")
     all_local = plan.master_addr == "127.0.0.1"
     os.environ.update(_torchrun_env(plan))
-    if all_local and "GLOO_SOCKET_IFNAME" not in os.environ:
-        loopback = _loopback_interface()
-        if loopback:
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+    iface = _loopback_interface() if all_local else plan.iface
+    if iface:  # gloo and NCCL listen and connect on this network only
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
 
     device = torch.device(plan.device)
     if device.type == "cuda":
@@ -139,11 +151,32 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _host_ip(host: str) -> str:
+def _address(host: str, spec: BootstrapSpec) -> str:
+    """This host's address on the ranks' network: ``spec.iface``'s, else the one this host
+    reaches the kernel's host from, else what its name resolves to."""
+    if spec.iface is not None:
+        for addr in psutil.net_if_addrs().get(spec.iface, []):
+            if addr.family == socket.AF_INET:
+                return str(addr.address)
+        known = ", ".join(sorted(psutil.net_if_addrs()))
+        raise PlacementError(
+            f"--iface {spec.iface}: host {host} has no IPv4 interface of that name (it has {known})"
+        )
+    if spec.kernel_addr is not None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((spec.kernel_addr, 9))  # a route lookup: nothing is sent
+            return str(s.getsockname()[0])
     try:
         return socket.gethostbyname(host)
     except OSError:
         return "127.0.0.1"
+
+
+def _interface_of(ip: str) -> str | None:
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == ip for a in addrs):
+            return name
+    return None
 
 
 def _loopback_interface() -> str | None:

@@ -25,6 +25,8 @@ class Probe:
     """Host name."""
     ip: str
     """Address other hosts can reach this one on."""
+    iface: str | None
+    """The network interface that holds ``ip`` (None if none does, e.g. a name lookup)."""
     pid: int
     """Engine process id."""
     num_gpus: int
@@ -52,6 +54,8 @@ class RankPlan:
     backend: str
     master_addr: str
     master_port: int
+    iface: str | None = None
+    """This rank's network interface when the world spans hosts (gloo and NCCL use it)."""
 
 
 def plan_world(
@@ -100,6 +104,7 @@ def plan_world(
             backend=resolved,
             master_addr=master_addr,
             master_port=probes[0].free_port,
+            iface=None if all_local else p.iface,
         )
         for p, d in zip(probes, devices, strict=True)
     ]

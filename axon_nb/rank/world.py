@@ -14,6 +14,7 @@ import gc
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 from axon_nb.rank import runtime
 
@@ -79,20 +80,41 @@ def init_process_group(ctx: runtime.RankContext) -> None:
     global _engine_sockets, _worlds_joined
     if _engine_sockets is None:
         _engine_sockets = set(open_sockets().values())
-    init_method = "env://"
     if ctx.store_dir is not None:
         # A fresh file for every world this rank joins (ranks join and re-form together, so
         # they count alike): a severed world's store may be left behind.
-        store = os.path.join(ctx.store_dir, f"store-{ctx.master_port}-{_worlds_joined}")
-        init_method = f"file://{store}"
+        path = os.path.join(ctx.store_dir, f"store-{ctx.master_port}-{_worlds_joined}")
+        store = dist.FileStore(path, ctx.world_size)
+    else:
+        store = _tcp_store(ctx)
     _worlds_joined += 1
     dist.init_process_group(
         ctx.backend,
-        init_method=init_method,
+        store=store,
         rank=ctx.rank,
         world_size=ctx.world_size,
         timeout=timedelta(seconds=ctx.timeout_s),
         **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}),
+    )
+
+
+def _tcp_store(ctx: runtime.RankContext) -> Any:
+    """The rendezvous store across hosts. Rank 0 serves it on ``master_addr`` only: PyTorch's
+    own server would listen on every interface, so it is handed a socket bound here."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=ctx.timeout_s)
+    if ctx.rank != 0:
+        return dist.TCPStore(ctx.master_addr, ctx.master_port, ctx.world_size, False, timeout)
+    listener = socket.create_server((ctx.master_addr, ctx.master_port), backlog=1024)
+    return dist.TCPStore(
+        ctx.master_addr,
+        ctx.master_port,
+        ctx.world_size,
+        True,
+        timeout,
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),  # the store's from now on
     )
 
 
