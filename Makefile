@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # Pinned so pip takes the CPU wheel on CPU machines; override on GPU hosts, e.g. TORCH=torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint chromium sshd bench clean
+.PHONY: install demo test lint chromium sshd slurm bench clean
 
 install: $(VENV)/.installed
 
@@ -39,7 +39,14 @@ sshd:
 	      iproute2 >/dev/null; } || \
 	  echo "sshd could not be installed: tests/test_hosts.py will be skipped"
 
-test: lint chromium sshd
+# tests/test_slurm.py starts a private slurmctld and slurmd (one node, this host).
+slurm:
+	@{ command -v slurmd >/dev/null || [ -x /usr/sbin/slurmd ]; } || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || \
+	  echo "Slurm could not be installed: tests/test_slurm.py will be skipped"
+
+test: lint chromium sshd slurm
 	$(BIN)/python -m pytest
 
 bench: install

@@ -47,6 +47,8 @@ class AxonMagics(Magics):
     @argument("--hosts", default=None, help="start ranks on these hosts over ssh: node1:4,node2:4")
     @argument("--hostfile", default=None, help="a file of host:slots lines, instead of --hosts")
     @argument("--iface", default=None, help="network interface the ranks use across hosts")
+    @argument("--partition", default=None, help="--engines slurm: the partition to submit to")
+    @argument("--time", default=None, help="--engines slurm: the job's time limit, e.g. 2:00:00")
     @argument("--stop", action="store_true", help="stop the running cluster")
     @argument("--restart", action="store_true", help="stop the running cluster, start anew")
     @argument("--status", action="store_true", help="show the running cluster's ranks")
@@ -241,6 +243,8 @@ def _cluster_from_args(args: Any) -> Cluster:
             hang_timeout=args.hang_timeout,
             hosts=_hosts_from_args(args),
             iface=args.iface,
+            partition=args.partition,
+            time=args.time,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -70,6 +70,8 @@ class Cluster:
         hang_timeout: float | None = None,
         hosts: Sequence[tuple[str, int]] | str | None = None,
         iface: str | None = None,
+        partition: str | None = None,
+        time: str | None = None,
     ) -> None:
         if isinstance(hosts, str):
             hosts = parse_hosts(hosts)
@@ -83,6 +85,8 @@ class Cluster:
             hang_timeout=hang_timeout,
             hosts=tuple((str(h), int(c)) for h, c in hosts) if hosts is not None else None,
             iface=iface,
+            partition=partition,
+            time=time,
         )
         self._ipp: ipp.Cluster | None = None
         self._watch: WatchDir | None = None
@@ -360,7 +364,7 @@ class Cluster:
         if not self.ranks:
             return "Not running: nothing listens."
         stores = {r.get("store", "") for r in self.ranks}
-        if stores == {"file"}:
+        if not self.options.multi_host:
             return (
                 "Listening on loopback only: the controller, MPI and gloo bind 127.0.0.1, and the "
                 "ranks meet through a store file in an owner-only directory."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -98,6 +99,57 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions) -> None:
         launcher.mpi_args = ["-disable-auto-cleanup", *extra]
 
 
+SLURM_JOB = """#!/bin/sh
+#SBATCH --export=ALL
+#SBATCH --job-name=axon-{cluster_id}
+#SBATCH --ntasks={n}
+exec {mpiexec} -disable-auto-cleanup -n {n} {program_and_args}
+"""
+"""The engines' batch job: hydra's ``mpiexec`` inside the allocation starts a proxy on each of
+its nodes with ``srun``, and the ranks under them (``{program_and_args}``: the engine command,
+which ipyparallel fills in)."""
+
+
+def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions) -> None:
+    """Ranks in a Slurm job. Inside an allocation (this kernel runs in one), hydra's
+    ``mpiexec`` uses it directly; elsewhere ipyparallel's Slurm launcher submits
+    :data:`SLURM_JOB` with ``sbatch`` (``--partition``, ``--time``) and ``scancel`` stops it."""
+    mpiexec = find_mpiexec("mpiexec.hydra")
+    environment = {k: v for k, v in LOOPBACK_MPI_ENV.items() if k != "FI_TCP_IFACE"}
+    if options.iface is not None:
+        environment["FI_TCP_IFACE"] = options.iface
+    kernel_addr = primary_address()
+    cluster.controller_ip = kernel_addr  # where the job's nodes reach this kernel's host
+    cluster.controller_location = kernel_addr
+    engine = [*ENGINE_PARENT, sys.executable, "-m", "ipyparallel.engine"]
+    if os.environ.get("SLURM_JOB_ID"):
+        cluster.engine_launcher_class = "mpi"
+        launcher = cluster.config.MPIEngineSetLauncher
+        launcher.mpi_cmd = [mpiexec]
+        launcher.mpi_args = ["-disable-auto-cleanup"]
+        launcher.engine_cmd = engine
+        launcher.environment = environment
+        return
+    cluster.engine_launcher_class = "slurm"
+    launcher = cluster.config.SlurmEngineSetLauncher
+    launcher.batch_template = SLURM_JOB.replace("{mpiexec}", mpiexec)
+    launcher.engine_cmd = engine
+    launcher.engine_args = ["--mpi"]
+    launcher.environment = environment
+    if options.partition:
+        launcher.queue = options.partition
+    if options.time:
+        launcher.timelimit = options.time
+
+
+def primary_address() -> str:
+    """This host's address by its name (what other nodes of a batch system reach it on)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError as e:
+        raise ClusterStartError(f"this host's name does not resolve to an address: {e}") from None
+
+
 def route_address(host: str) -> str:
     """This machine's address on the network that reaches ``host`` (a route lookup)."""
     try:
@@ -115,4 +167,5 @@ def _configure_local(cluster: ipp.Cluster, options: ClusterOptions) -> None:
 LAUNCHERS: dict[str, Callable[[ipp.Cluster, ClusterOptions], None]] = {
     "mpi": _configure_mpi,
     "local": _configure_local,
+    "slurm": _configure_slurm,
 }

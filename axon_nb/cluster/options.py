@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from axon_nb.rank.placement import BACKENDS
 
-ENGINE_KINDS = ("mpi", "local")
+ENGINE_KINDS = ("mpi", "local", "slurm")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -16,7 +16,9 @@ class ClusterOptions:
     n: int
     """Number of ranks (engines)."""
     engines: str = "mpi"
-    """``mpi``: one ``mpiexec`` launch, engine id == MPI rank; ``local``: plain local processes."""
+    """``mpi``: one ``mpiexec`` launch, engine id == MPI rank; ``local``: plain local processes;
+    ``slurm``: ``mpiexec`` in a Slurm job (submitted with ``sbatch``, or inside the allocation
+    this kernel runs in), which starts the ranks with ``srun``."""
     backend: str = "auto"
     """``auto`` (nccl when every rank has a GPU, else gloo), ``nccl`` or ``gloo``."""
     gpus: tuple[int, ...] | None = None
@@ -35,10 +37,15 @@ class ClusterOptions:
     """With ``hosts``: the network interface the ranks use (gloo, NCCL, MPI and the
     rendezvous); None: the one that routes to this kernel's host."""
 
+    partition: str | None = None
+    """``engines="slurm"``: the partition to submit to (None: the default one)."""
+    time: str | None = None
+    """``engines="slurm"``: the job's time limit, as Slurm writes it (``2:00:00``)."""
+
     @property
     def multi_host(self) -> bool:
-        """True when ranks are started on other hosts."""
-        return self.hosts is not None
+        """True when ranks may be started on other hosts."""
+        return self.hosts is not None or self.engines == "slurm"
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
@@ -58,7 +65,9 @@ class ClusterOptions:
             _check_gpus(self.gpus, self.n, self.backend, self.hosts)
         if self.hosts is not None:
             _check_hosts(self.hosts, self.n, self.engines)
-        elif self.iface is not None:
+        if self.engines != "slurm" and (self.partition or self.time):
+            raise ValueError("--partition and --time are Slurm job options: add --engines slurm")
+        if self.hosts is None and self.engines != "slurm" and self.iface is not None:
             raise ValueError(
                 "--iface chooses the network of a cluster across hosts: give --hosts or "
                 "--hostfile too (ranks on one host talk over loopback)"

@@ -3,6 +3,7 @@ noticing ranks that exit first), then having every rank join the torch world."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -83,10 +84,11 @@ def join_world(
         watch_dir=watch_dir,
         iface=options.iface,
         kernel_addr=kernel_addr,
+        kernel_host=socket.gethostname(),
     )
     targets = sorted(client.ids)
     try:
-        if options.engines == "mpi":
+        if options.engines in ("mpi", "slurm"):
             ar = view(client, targets).apply_async(entry.bootstrap_mpi, spec)
             summaries = results(wait(ar, targets))
         else:

@@ -35,6 +35,8 @@ class BootstrapSpec:
     ``kernel_addr``."""
     kernel_addr: str | None = None
     """Across hosts: the kernel host's address on the ranks' network (the controller's)."""
+    kernel_host: str | None = None
+    """The kernel's host name: ranks all on it meet through a file in ``watch_dir``."""
 
 
 def probe(
@@ -73,10 +75,18 @@ def bootstrap_mpi(spec: BootstrapSpec) -> dict[str, Any]:
     # Every rank plans from the same probes, so all of them raise the same error or none does.
     probes = comm.allgather(mine)
     plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
-    return join_world(plans[rank], spec.timeout_s, watch_dir=spec.watch_dir)
+    return join_world(
+        plans[rank], spec.timeout_s, watch_dir=spec.watch_dir, kernel_host=spec.kernel_host
+    )
 
 
-def join_world(plan: RankPlan, timeout_s: float, *, watch_dir: str | None = None) -> dict[str, Any]:
+def join_world(
+    plan: RankPlan,
+    timeout_s: float,
+    *,
+    watch_dir: str | None = None,
+    kernel_host: str | None = None,
+) -> dict[str, Any]:
     """Bind the device, export the torchrun environment and initialize the process group.
 
     With ``watch_dir``, the rank then answers stack requests there (``rank/watch.py``).
@@ -111,7 +121,8 @@ def join_world(plan: RankPlan, timeout_s: float, *, watch_dir: str | None = None
         master_addr=plan.master_addr,
         master_port=plan.master_port,
         timeout_s=timeout_s,
-        store_dir=watch_dir if all_local else None,
+        # a store file where the kernel's owner-only directory is local; else a TCPStore
+        store_dir=watch_dir if all_local and kernel_host in (None, plan.host) else None,
     )
     world.init_process_group(ctx)
     runtime.set_context(ctx)

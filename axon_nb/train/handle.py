@@ -75,8 +75,10 @@ class TrainHandle:
         self.shown = False
         """True once the dashboard is displayed (then no text progress is printed)."""
         self._listeners: list[MetricsListener] = []
+        hosts = len({r.get("host") for r in cluster.ranks})
+        where = f" on {hosts} hosts" if hosts > 1 else ""
         self.dashboard = Dashboard(
-            len(targets), title=f"{spec.name} · {spec.strategy.name} · {len(targets)} ranks"
+            len(targets), title=f"{spec.name} · {spec.strategy.name} · {len(targets)} ranks{where}"
         )
         """The live widget of this run; display it (``%axon_dashboard``) to watch."""
         self._listeners.append(self.dashboard)
