@@ -97,6 +97,19 @@ def test_accumulation_and_clipping_under_fsdp(cluster: axon_nb.Cluster) -> None:
     assert norms == pytest.approx([h["grad_norm"] for h in ref.history], rel=1e-4)
 
 
+def test_fsdp_communication_is_measured_as_the_formula_says(
+    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+) -> None:
+    result = _check(cluster, reference, strategy=FSDP())
+    psi = sum(p.numel() for p in reference.model.parameters())
+    comm = result.ranks[0]["comm_totals"]
+    # every fp32 gradient is reduce-scattered once a step (padded to a multiple of 2 ranks);
+    # FSDP2 passes the payload as `input=`, which the probe once counted as 0 B
+    per_step = comm["reduce_scatter"]["bytes"] / result.steps
+    assert 4 * psi <= per_step <= 4 * psi * 1.05
+    assert comm["all_gather"]["bytes"] >= 4 * psi / 2 * result.steps  # at least one gather
+
+
 def test_zero2_shards_gradients_and_optimizer_state_but_not_parameters(
     cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
 ) -> None:

@@ -175,6 +175,9 @@ class Cluster:
         if self._ipp is not None:
             # mpiexec exits non-zero when its ranks are terminated; that is the expected end.
             self._ipp.log.setLevel(logging.ERROR)
+            for launcher in [*self._ipp.engines.values(), self._ipp.controller]:
+                with contextlib.suppress(Exception):
+                    startup.read_output(launcher)
             self._ipp.stop_cluster_sync()
             self._ipp = None
         if self._reaper is not None:

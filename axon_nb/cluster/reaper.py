@@ -53,7 +53,12 @@ def main(argv: list[str]) -> int:
         if watch(parent_pid, cluster_file):
             import ipyparallel as ipp
 
+            from axon_nb.cluster.startup import read_output
+
             cluster = ipp.Cluster.from_file(cluster_file)
+            for launcher in [*cluster.engines.values(), cluster.controller]:
+                if launcher is not None:
+                    read_output(launcher)  # (ipyparallel's strict UTF-8 read fails on some)
             cluster.stop_cluster_sync()
     finally:  # (ipyparallel's atexit stops a cluster, but knows nothing of this directory)
         if len(argv) > 2:

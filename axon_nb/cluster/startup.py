@@ -3,6 +3,7 @@ noticing ranks that exit first), then having every rank join the torch world."""
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -129,13 +130,29 @@ def launcher_output(cluster: ipp.Cluster | None) -> str:
     tails = []
     for launcher in cluster.engines.values():
         try:
-            text = launcher.get_output()
+            text = read_output(launcher)
         except Exception:
             continue
         lines = [ln for ln in text.splitlines() if "[IPEngine" not in ln][-15:]
         if lines:
             tails.append("\n".join(lines))
     return ("\nengine launcher output:\n" + "\n".join(tails)) if tails else ""
+
+
+def read_output(launcher: Any) -> str:
+    """What a launcher's process printed, read once and kept where ipyparallel looks for it.
+
+    Ranks write to one output file concurrently, so a character's bytes may be split by
+    another rank's write; ipyparallel reads the file as strict UTF-8 (and fails while stopping
+    the cluster), so it is read here first, replacing undecodable bytes."""
+    if getattr(launcher, "_output", None) is None:
+        path = getattr(launcher, "output_file", "")
+        text = ""
+        if path and os.path.isfile(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        launcher._output = text
+    return str(launcher._output)
 
 
 def view(client: ipp.Client, targets: list[int]) -> ipp.DirectView:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from axon_nb.metrics.comm import KINDS, payload_bytes
+from axon_nb.metrics.comm import KINDS, Payload
 
 TRACKED: tuple[str, ...] = (
     *KINDS,
@@ -98,9 +98,9 @@ def install() -> None:
 
 
 def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    kind = KINDS.get(name, name)
     params = list(inspect.signature(fn).parameters)
     at = params.index("group") if "group" in params else None  # found once, not per call
+    payload = None if name in _NO_BYTES else Payload(name, fn)
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
@@ -111,7 +111,8 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         group = kwargs.get("group")
         if group is None and at is not None and len(args) > at:
             group = args[at]
-        record = _Record(name, _seq, group, _bytes(kind, args, kwargs), _peer(name, args, kwargs))
+        nbytes = payload.nbytes(args, kwargs) if payload is not None else None
+        record = _Record(name, _seq, group, nbytes, _peer(name, args, kwargs))
         _last = record
         _local.inside = True
         try:
@@ -146,10 +147,6 @@ _NO_BYTES = frozenset(name for name in TRACKED if "object" in name or "barrier" 
     "batch_isend_irecv"
 }
 """Functions whose payload is not a tensor argument (objects pickled inside, barriers, P2P ops)."""
-
-
-def _bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
-    return None if kind in _NO_BYTES else payload_bytes(kind, args, kwargs)
 
 
 def _peer(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:

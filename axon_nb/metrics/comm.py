@@ -16,6 +16,7 @@ What the figures mean:
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +39,24 @@ KINDS: dict[str, str] = {
     "irecv": "send_recv",
 }
 """Wrapped ``torch.distributed`` functions -> collective kind reported in the stream."""
+
+PAYLOAD: dict[str, str] = {
+    "all_reduce": "tensor",
+    "all_gather": "tensor",  # (tensor_list is the output)
+    "all_gather_into_tensor": "input_tensor",
+    "all_gather_single": "input_tensor",
+    "reduce_scatter_single": "input",
+    "reduce_scatter": "input_list",
+    "reduce_scatter_tensor": "input",  # FSDP2 passes it by keyword
+    "broadcast": "tensor",
+    "all_to_all_single": "input",
+    "send": "tensor",
+    "recv": "tensor",
+    "isend": "tensor",
+    "irecv": "tensor",
+}
+"""The parameter of each wrapped function that holds this rank's payload, found by binding
+the call to the function's signature, so positional and keyword calls count alike."""
 
 
 class CommMeter:
@@ -76,7 +95,7 @@ class CommMeter:
 
         saved = {name: getattr(dist, name) for name in KINDS if hasattr(dist, name)}
         for name, fn in saved.items():
-            wrapped = self._wrap(KINDS[name], fn)
+            wrapped = self._wrap(name, fn)
             setattr(dist, name, wrapped)
             if getattr(c10d, name, None) is fn:
                 setattr(c10d, name, wrapped)
@@ -88,10 +107,12 @@ class CommMeter:
                 if hasattr(c10d, name):
                     setattr(c10d, name, fn)
 
-    def _wrap(self, kind: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        kind, payload = KINDS[name], Payload(name, fn)
+
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
-            nbytes = payload_bytes(kind, args, kwargs)
+            nbytes = payload.nbytes(args, kwargs)
             start = time.perf_counter()
             work = fn(*args, **kwargs)
             if work is None or not hasattr(work, "get_future"):
@@ -124,16 +145,39 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def payload_bytes(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    """Bytes this rank hands to a collective of ``kind`` called with ``args`` / ``kwargs``."""
-    if kind in ("all_gather", "reduce_scatter"):
-        # (output, input) signatures: the input is what this rank contributes.
-        payload = kwargs.get("input_tensor", args[1] if len(args) > 1 else None)
-    elif kind == "all_to_all":
-        payload = kwargs.get("input", args[1] if len(args) > 1 else None)
-    else:
-        payload = kwargs.get("tensor", args[0] if args else None)
-    return _nbytes(payload)
+class Payload:
+    """Reads this rank's payload bytes from a call of ``torch.distributed.<name>``.
+
+    Example::
+
+        Payload("reduce_scatter_tensor", dist.reduce_scatter_tensor).nbytes((), {"output": out,
+                                                                                 "input": x})
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+        try:
+            self.signature: inspect.Signature | None = inspect.signature(fn)
+        except (TypeError, ValueError):  # a builtin without one: positions of the default API
+            self.signature = None
+        params = self.signature.parameters if self.signature is not None else {}
+        self.parameter = PAYLOAD.get(name) or ("tensor" if "tensor" in params else None)
+        self.position = _DEFAULT_POSITIONS.get(self.parameter or "", 0)
+
+    def nbytes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+        if self.parameter is None:
+            return 0
+        if self.signature is not None:
+            try:
+                bound = self.signature.bind_partial(*args, **kwargs)
+            except TypeError:
+                return 0
+            return _nbytes(bound.arguments.get(self.parameter))
+        if self.parameter in kwargs:
+            return _nbytes(kwargs[self.parameter])
+        return _nbytes(args[self.position]) if len(args) > self.position else 0
+
+
+_DEFAULT_POSITIONS = {"tensor": 0, "input_tensor": 1, "input": 1, "input_list": 1}
 
 
 def _nbytes(value: Any) -> int:

@@ -6,24 +6,34 @@ would take the survivors' model state with it, and ``cluster.rescue`` could not 
 parent turns the engine's death by a signal into an ordinary exit status (128 + signal), so
 the proxy only notifies the other ranks and they live on.
 
-The engine inherits the environment and every file descriptor (MPI's ``PMI_FD`` among them),
-and it shares this process group, so the signals ``mpiexec`` sends to the group reach it
-directly. Usage (what ``cluster/launchers.py`` configures)::
+The engine inherits the environment and every file descriptor (MPI's ``PMI_FD`` among them).
+It shares this process group (hydra signals the group), SIGINT, SIGTERM and SIGHUP sent to this
+process are passed on to it (gforker signals its children only), and it is SIGKILLed if this
+process dies, so stopping the launcher never leaves an engine behind. Usage (what
+``cluster/launchers.py`` configures)::
 
     mpiexec -n 4 python -m axon_nb.rank.launch python -m ipyparallel.engine --mpi
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 
-_PASSED_TO_THE_GROUP = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
 
 
-def _ignore(signum: int, frame: object) -> None:
-    """The engine, in the same process group, received this signal too and acts on it."""
+def _die_with_parent() -> None:
+    """(In the child, before exec) be SIGKILLed when this parent dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: list[str]) -> int:
@@ -33,10 +43,20 @@ def main(argv: list[str]) -> int:
     # Hydra's notice that another rank failed. SIG_IGN is inherited through exec, so the
     # engine ignores it too until its watch thread registers faulthandler on it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    for signum in _PASSED_TO_THE_GROUP:  # handlers (not SIG_IGN) reset to default in the child
-        signal.signal(signum, _ignore)
-    child = subprocess.Popen(argv, close_fds=False)
-    code = child.wait()
+    child = subprocess.Popen(argv, close_fds=False, preexec_fn=_die_with_parent)
+
+    def pass_on(signum: int, frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signum)
+
+    for signum in _PASSED_ON:
+        signal.signal(signum, pass_on)
+    while True:
+        try:
+            code = child.wait()
+            break
+        except InterruptedError:
+            continue
     return 128 - code if code < 0 else code
 
 
