@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from started import Started
+
 PREFIX = "axnb"
 SUBNET = "10.77.0"
 BRIDGE = f"{PREFIX}br0"
@@ -42,7 +44,7 @@ def _run(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
-class NetnsHosts:
+class NetnsHosts(Started):
     """``n`` namespaced hosts named ``axnb1``..., at ``10.77.0.2``...; this machine is
     ``10.77.0.1`` on the bridge."""
 
@@ -54,17 +56,6 @@ class NetnsHosts:
         self.ssh = str(self.dir / "ssh")
         """An ssh that logs in to these hosts with this test's key (``HYDRA_LAUNCHER_EXEC``)."""
         self._sshd: list[subprocess.Popen[bytes]] = []
-
-    def __enter__(self) -> NetnsHosts:
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def pids(self, name: str) -> list[int]:
         """Processes whose network namespace is host ``name``'s (sshd included)."""

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import psutil
+from started import Started
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -41,7 +42,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class LocalSlurm:
+class LocalSlurm(Started):
     """One partition, ``debug``, of one node (this host, 8 CPUs declared)."""
 
     def __init__(self) -> None:
@@ -49,17 +50,6 @@ class LocalSlurm:
         self.conf = str(self.dir / "slurm.conf")
         self._saved = os.environ.get("SLURM_CONF")
         self._began = time.time()
-
-    def __enter__(self) -> LocalSlurm:
-        try:
-            self._start()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def jobs(self) -> list[str]:
         """Ids of the jobs Slurm knows as pending or running."""

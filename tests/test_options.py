@@ -17,12 +17,17 @@ def test_number_of_ranks_must_be_a_positive_integer(n: object) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"engines": "slurm"}, "unknown engines 'slurm'"),
+        ({"engines": "pbs"}, "unknown engines 'pbs': choose one of mpi, local, slurm"),
         ({"backend": "mpi"}, "unknown backend 'mpi'"),
         ({"gpus": (0, 0)}, "lists a device twice"),
         ({"gpus": (-1,)}, "device indices"),
         ({"gpus": (0,), "backend": "nccl"}, "lists 1 device"),
         ({"timeout": 0}, "timeout must be a positive number"),
+        ({"hosts": "node1:0"}, "bad host entry 'node1:0': write host or host:slots"),
+        ({"hosts": "node1:1"}, "2 ranks do not fit the 1 slots of --hosts node1:1"),
+        ({"hosts": "node1:2", "engines": "local"}, "use --engines mpi"),
+        ({"iface": "eth1"}, "--iface chooses the network of a cluster across hosts"),
+        ({"partition": "gpu"}, "Slurm job options: add --engines slurm"),
     ],
 )
 def test_bad_options_are_refused(kwargs: dict, message: str) -> None:

@@ -1,10 +1,11 @@
 """The process ``mpiexec`` starts for each rank: it runs the rank's engine as its child.
 
-MPICH's per-host proxy kills every rank on its host when any of its children is killed by a
-signal, whatever ``-disable-auto-cleanup`` says. A rank killed by the OOM killer or a SIGKILL
-would take the survivors' model state with it, and ``cluster.rescue`` could not save it. This
-parent turns the engine's death by a signal into an ordinary exit status (128 + signal), so
-the proxy only notifies the other ranks and they live on.
+MPICH's process managers end every rank when one is killed by a signal or leaves its MPI
+connection unfinished (hydra's proxy whatever ``-disable-auto-cleanup`` says; gforker always).
+A rank killed by the OOM killer or a SIGKILL would take the survivors' model state with it,
+and ``cluster.rescue`` could not save it. This parent holds the rank's MPI connection (it
+inherited it) and, when the engine is killed, stays until the cluster is stopped, so the
+process manager sees nothing and the other ranks live on.
 
 The engine inherits the environment and every file descriptor (MPI's ``PMI_FD`` among them).
 It shares this process group (hydra signals the group), SIGINT, SIGTERM and SIGHUP sent to this
@@ -44,20 +45,25 @@ def main(argv: list[str]) -> int:
     # engine ignores it too until its watch thread registers faulthandler on it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     child = subprocess.Popen(argv, close_fds=False, preexec_fn=_die_with_parent)
+    stop = []
 
     def pass_on(signum: int, frame: object) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            child.send_signal(signum)
+        if child.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signum)
+        stop.append(signum)
 
     for signum in _PASSED_ON:
         signal.signal(signum, pass_on)
-    while True:
-        try:
-            code = child.wait()
-            break
-        except InterruptedError:
-            continue
-    return 128 - code if code < 0 else code
+    code = child.wait()
+    if code >= 0:
+        return code
+    # Killed by a signal. Exiting now would close this rank's MPI connection unfinished, on
+    # which the process manager ends every other rank: keep the slot until the cluster stops.
+    print(f"axon_nb: engine {child.pid} was killed by signal {-code}", file=sys.stderr, flush=True)
+    while not stop:
+        signal.pause()
+    return 128 - code
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import os
 import socket
@@ -18,11 +19,14 @@ from typing import Any
 
 from axon_nb.rank import runtime
 
-_engine_sockets: set[str] | None = None
-"""Identities ("socket:[inode]") of the sockets open before this rank first joined a world:
-the engine's own (its controller connections). Every TCP connection opened since belongs to
-the world's groups (the default one, mesh subgroups, a checkpoint group) or to user code."""
+_world_sockets: set[str] = set()
+"""Identities ("socket:[inode]") of the sockets opened while joining a world or creating any
+process group in it (mesh subgroups, a checkpoint group): the connections :func:`sever`
+shuts. Never the engine's own (its controller connections, which zmq may reopen any time)."""
 
+
+_tracking = False
+"""Whether c10d's process-group helper is wrapped (see :func:`_track_group_sockets`)."""
 
 _worlds_joined = 0
 """How many worlds this rank has joined (names each one's store file)."""
@@ -49,12 +53,11 @@ def open_sockets() -> dict[int, str]:
 
 
 def sever() -> int:
-    """Shut down every TCP connection this rank opened since it first joined a world (every
-    process group's, subgroups included; a user's own connections too, which a failed run
-    loses anyway); the engine's own and listeners are left alone. Returns the count."""
+    """Shut down the connections of this rank's process groups (subgroups included; see
+    :data:`_world_sockets`); listeners are left alone. Returns the count."""
     count = 0
     for fd, identity in sorted(open_sockets().items()):
-        if _engine_sockets is None or identity in _engine_sockets:
+        if identity not in _world_sockets:
             continue
         try:
             sock = socket.socket(fileno=fd)
@@ -77,9 +80,9 @@ def init_process_group(ctx: runtime.RankContext) -> None:
     sockets, which :func:`sever` leaves alone)."""
     import torch.distributed as dist
 
-    global _engine_sockets, _worlds_joined
-    if _engine_sockets is None:
-        _engine_sockets = set(open_sockets().values())
+    global _worlds_joined
+    _track_group_sockets()
+    before = set(open_sockets().values())
     if ctx.store_dir is not None:
         # A fresh file for every world this rank joins (ranks join and re-form together, so
         # they count alike): a severed world's store may be left behind.
@@ -96,6 +99,29 @@ def init_process_group(ctx: runtime.RankContext) -> None:
         timeout=timedelta(seconds=ctx.timeout_s),
         **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}),
     )
+    _world_sockets.update(set(open_sockets().values()) - before)  # the store's too
+
+
+def _track_group_sockets() -> None:
+    """Record the sockets every new process group opens (``new_group``, a device mesh's
+    subgroups): all of them are made by c10d's one helper, wrapped here once."""
+    import torch.distributed.distributed_c10d as c10d
+
+    global _tracking
+    if _tracking:
+        return
+    _tracking = True
+    original = c10d._new_process_group_helper
+
+    @functools.wraps(original)
+    def tracked(*args: Any, **kwargs: Any) -> Any:
+        before = set(open_sockets().values())
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _world_sockets.update(set(open_sockets().values()) - before)
+
+    c10d._new_process_group_helper = tracked
 
 
 def _tcp_store(ctx: runtime.RankContext) -> Any:
