@@ -103,6 +103,7 @@ SLURM_JOB = """#!/bin/sh
 #SBATCH --export=ALL
 #SBATCH --job-name=axon-{cluster_id}
 #SBATCH --ntasks={n}
+#SBATCH --output={log_dir}/axon-slurm-%j.out
 exec {mpiexec} -disable-auto-cleanup -n {n} {program_and_args}
 """
 """The engines' batch job: hydra's ``mpiexec`` inside the allocation starts a proxy on each of
@@ -132,7 +133,11 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions) -> None:
         return
     cluster.engine_launcher_class = "slurm"
     launcher = cluster.config.SlurmEngineSetLauncher
-    launcher.batch_template = SLURM_JOB.replace("{mpiexec}", mpiexec)
+    # The batch file and the job's output go to the profile's log directory, not the cwd.
+    log_dir = os.path.join(cluster.profile_dir, "log")
+    os.makedirs(log_dir, exist_ok=True)
+    launcher.batch_file_name = os.path.join(log_dir, f"axon-slurm-{cluster.cluster_id}.sbatch")
+    launcher.batch_template = SLURM_JOB.replace("{mpiexec}", mpiexec).replace("{log_dir}", log_dir)
     launcher.engine_cmd = engine
     launcher.engine_args = ["--mpi"]
     launcher.environment = environment
