@@ -166,10 +166,11 @@ class Cluster:
             # ended by the launcher's SIGTERM and SIGKILL.
             with contextlib.suppress(Exception):
                 if self._broken:  # survivors of a dead rank may be stuck in a native wait
+                    # (their parents stay until the launcher's SIGTERM: no use waiting)
                     self._client.send_signal(signal.SIGKILL, targets="all", block=False)
                 else:
                     self._client.shutdown(targets="all", block=False)
-                self._wait_engines_exit(SHUTDOWN_WAIT_S)
+                    self._wait_engines_exit(SHUTDOWN_WAIT_S)
             self._client.close()
             self._client = None
         if self._ipp is not None:
@@ -493,13 +494,13 @@ class Cluster:
 
     def _wait_engines_exit(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the engine launchers' processes (``mpiexec``) to end."""
-        processes = [
-            launcher.process
+        pids = [
+            launcher.process.pid
             for launcher in (self._ipp.engines.values() if self._ipp is not None else [])
             if getattr(launcher, "process", None) is not None
         ]
         deadline = time.monotonic() + seconds
-        while any(_running(p) for p in processes) and time.monotonic() < deadline:
+        while any(reaper.alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
 
     def _reform_world(self) -> None:
@@ -521,10 +522,3 @@ class Cluster:
         return self.wait(
             ar, targets, stream=True, timeout=self.options.start_timeout, watch_hangs=False
         )
-
-
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -15,6 +15,7 @@ import ipyparallel as ipp
 
 from axon_nb.cluster.options import ClusterOptions, format_hosts
 from axon_nb.errors import ClusterStartError
+from axon_nb.rank.bootstrap import address_toward
 
 MPI_HINT = (
     "Install MPICH into this Python environment with `pip install mpich` (it provides "
@@ -23,8 +24,15 @@ MPI_HINT = (
 )
 
 
-ENGINE_PARENT = [sys.executable, "-m", "axon_nb.rank.launch"]
-"""What ``mpiexec`` starts on each rank, with the engine's command as its arguments."""
+ENGINE_CMD = [
+    sys.executable,
+    "-m",
+    "axon_nb.rank.launch",
+    sys.executable,
+    "-m",
+    "ipyparallel.engine",
+]
+"""What ``mpiexec`` starts on each rank: the engine under its parent, ``rank/launch.py``."""
 
 
 def find_mpiexec(kind: str = "mpiexec") -> str:
@@ -73,14 +81,11 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions) -> None:
     extra: list[str] = []
     if options.hosts is not None:
         mpiexec = find_mpiexec()
-        extra = ["-launcher", "ssh", "-hosts", format_hosts(options.hosts)]
-        environment = {k: v for k, v in LOOPBACK_MPI_ENV.items() if k != "FI_TCP_IFACE"}
-        if options.iface is not None:  # (hydra's -iface would apply to this host too)
-            environment["FI_TCP_IFACE"] = options.iface
         kernel_addr = route_address(options.hosts[0][0])
-        cluster.controller_ip = kernel_addr  # the ranks' network, not every interface
-        cluster.controller_location = kernel_addr
+        _bind_controller(cluster, kernel_addr)
+        extra = ["-launcher", "ssh", "-hosts", format_hosts(options.hosts)]
         extra += ["-localhost", kernel_addr]  # where the proxies reach mpiexec
+        environment = _network_mpi_env(options.iface)
     else:
         try:
             mpiexec = find_mpiexec("mpiexec.gforker")
@@ -90,9 +95,9 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions) -> None:
     launcher.mpi_cmd = [mpiexec]
     launcher.environment = environment
     # A rank killed by a signal must not take the others with it (hydra's and gforker's
-    # process managers kill the rest): each engine runs under ``rank/launch.py``, which turns
-    # that into an exit status. The survivors keep their state (``cluster.rescue``).
-    launcher.engine_cmd = [*ENGINE_PARENT, sys.executable, "-m", "ipyparallel.engine"]
+    # process managers end the rest): its parent, ``rank/launch.py``, keeps its MPI slot, and
+    # the survivors keep their state (``cluster.rescue``).
+    launcher.engine_cmd = ENGINE_CMD
     if _is_hydra(mpiexec):
         # Without this, hydra kills every rank when one exits early, and the kernel can no
         # longer tell which rank it was.
@@ -116,19 +121,14 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions) -> None:
     ``mpiexec`` uses it directly; elsewhere ipyparallel's Slurm launcher submits
     :data:`SLURM_JOB` with ``sbatch`` (``--partition``, ``--time``) and ``scancel`` stops it."""
     mpiexec = find_mpiexec("mpiexec.hydra")
-    environment = {k: v for k, v in LOOPBACK_MPI_ENV.items() if k != "FI_TCP_IFACE"}
-    if options.iface is not None:
-        environment["FI_TCP_IFACE"] = options.iface
-    kernel_addr = primary_address()
-    cluster.controller_ip = kernel_addr  # where the job's nodes reach this kernel's host
-    cluster.controller_location = kernel_addr
-    engine = [*ENGINE_PARENT, sys.executable, "-m", "ipyparallel.engine"]
+    environment = _network_mpi_env(options.iface)
+    _bind_controller(cluster, primary_address())  # where the job's nodes reach this host
     if os.environ.get("SLURM_JOB_ID"):
         cluster.engine_launcher_class = "mpi"
         launcher = cluster.config.MPIEngineSetLauncher
         launcher.mpi_cmd = [mpiexec]
         launcher.mpi_args = ["-disable-auto-cleanup"]
-        launcher.engine_cmd = engine
+        launcher.engine_cmd = ENGINE_CMD
         launcher.environment = environment
         return
     cluster.engine_launcher_class = "slurm"
@@ -138,13 +138,29 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions) -> None:
     os.makedirs(log_dir, exist_ok=True)
     launcher.batch_file_name = os.path.join(log_dir, f"axon-slurm-{cluster.cluster_id}.sbatch")
     launcher.batch_template = SLURM_JOB.replace("{mpiexec}", mpiexec).replace("{log_dir}", log_dir)
-    launcher.engine_cmd = engine
+    launcher.engine_cmd = ENGINE_CMD
     launcher.engine_args = ["--mpi"]
     launcher.environment = environment
     if options.partition:
         launcher.queue = options.partition
     if options.time:
         launcher.timelimit = options.time
+
+
+def _network_mpi_env(iface: str | None) -> dict[str, str]:
+    """MPICH's network module across hosts: on ``iface`` (hydra's ``-iface`` would apply to
+    the kernel's host too), else on the interface libfabric picks."""
+    environment = {k: v for k, v in LOOPBACK_MPI_ENV.items() if k != "FI_TCP_IFACE"}
+    if iface is not None:
+        environment["FI_TCP_IFACE"] = iface
+    return environment
+
+
+def _bind_controller(cluster: ipp.Cluster, address: str) -> None:
+    """The controller listens on ``address`` (the ranks' network) only, and tells the engines
+    to connect there."""
+    cluster.controller_ip = address
+    cluster.controller_location = address
 
 
 def primary_address() -> str:
@@ -156,11 +172,9 @@ def primary_address() -> str:
 
 
 def route_address(host: str) -> str:
-    """This machine's address on the network that reaches ``host`` (a route lookup)."""
+    """This machine's address on the network that reaches ``host``."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((host, 9))  # nothing is sent
-            return str(s.getsockname()[0])
+        return address_toward(host)
     except OSError as e:
         raise ClusterStartError(f"cannot reach host {host!r} from here: {e}") from None
 

@@ -31,7 +31,8 @@ def spawn(parent_pid: int, cluster_file: str, watch_dir: str) -> subprocess.Pope
     )
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """True while process ``pid`` runs (a zombie has ended)."""
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
@@ -41,7 +42,7 @@ def _alive(pid: int) -> bool:
 def watch(parent_pid: int, cluster_file: str) -> bool:
     """Block until the cluster is stopped normally (False) or its parent dies (True)."""
     while os.path.exists(cluster_file):
-        if not _alive(parent_pid):
+        if not alive(parent_pid):
             return True
         time.sleep(POLL_S)
     return False

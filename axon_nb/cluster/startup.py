@@ -12,6 +12,7 @@ from typing import Any
 import ipyparallel as ipp
 import psutil
 
+from axon_nb.cluster import reaper
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.waiting import results
 from axon_nb.errors import ClusterStartError, RankError
@@ -52,8 +53,8 @@ def wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, options: ClusterO
 
 
 def local_rank_processes(cluster: ipp.Cluster) -> int | None:
-    """Rank processes alive under this host's MPI launcher (each rank's parent,
-    ``rank/launch.py``, lives exactly as long as its engine); None before any was spawned."""
+    """Engines alive under this host's MPI launcher (each is the child of its rank's parent,
+    ``rank/launch.py``, which outlives a killed engine); None before any was spawned."""
     count = 0
     for launcher in cluster.engines.values():
         try:
@@ -62,8 +63,8 @@ def local_rank_processes(cluster: ipp.Cluster) -> int | None:
             continue
         for proc in below:
             try:
-                if "axon_nb.rank.launch" in proc.cmdline() and proc.status() != "zombie":
-                    count += 1
+                if "axon_nb.rank.launch" in proc.cmdline():
+                    count += sum(reaper.alive(c.pid) for c in proc.children())
             except psutil.Error:
                 continue
     return count or None

@@ -174,13 +174,19 @@ def _address(host: str, spec: BootstrapSpec) -> str:
             f"--iface {spec.iface}: host {host} has no IPv4 interface of that name (it has {known})"
         )
     if spec.kernel_addr is not None:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((spec.kernel_addr, 9))  # a route lookup: nothing is sent
-            return str(s.getsockname()[0])
+        return address_toward(spec.kernel_addr)
     try:
         return socket.gethostbyname(host)
     except OSError:
         return "127.0.0.1"
+
+
+def address_toward(host: str) -> str:
+    """This machine's address on the network that reaches ``host`` (a route lookup; nothing
+    is sent). Raises ``OSError`` when no route does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return str(s.getsockname()[0])
 
 
 def _interface_of(ip: str) -> str | None:

@@ -76,8 +76,8 @@ def sever() -> int:
 
 
 def init_process_group(ctx: runtime.RankContext) -> None:
-    """``init_process_group`` for ``ctx``'s rank (the first call notes the engine's own
-    sockets, which :func:`sever` leaves alone)."""
+    """``init_process_group`` for ``ctx``'s rank, recording the sockets its store and groups
+    open (see :data:`_world_sockets`)."""
     import torch.distributed as dist
 
     global _worlds_joined
