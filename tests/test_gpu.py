@@ -92,3 +92,47 @@ def test_checkpoint_round_trip_on_nccl(cluster: axon_nb.Cluster, tmp_path: Path)
     cluster.load(tmp_path / "ckpt", name="b")
     resumed = cluster.train(**{**args, "steps": 3}, name="b", resume=True)
     assert resumed.losses == uninterrupted.losses
+
+
+def _sync_warnings(steps: int) -> int:
+    """Host syncs CUDA reports while ``train_local`` runs ``steps`` steps on the GPU."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            axon_nb.train_local(**{**GPT_ARGS, "steps": steps}, device="cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_steps_do_not_wait_for_the_gpu() -> None:
+    # set-up and the end of the run may sync; the steps between them must not
+    assert _sync_warnings(steps=8) == _sync_warnings(steps=3)
+
+
+def test_compiled_bf16_run_with_prefetch_matches_one_process(cluster: axon_nb.Cluster) -> None:
+    args = {**GPT_ARGS, "mixed_precision": "bf16"}
+    result = cluster.train(**args, strategy=FSDP(), compile=True)
+    ref = axon_nb.train_local(**args, device="cuda")
+    assert result.losses == pytest.approx(ref.losses, abs=2e-2)  # bf16 rounding
+    fused = cluster.run(lambda: _first_group()["fused"], stream=False)
+    assert fused == [True]  # AdamW on CUDA is the fused kernel
+
+
+def _first_group() -> dict[str, Any]:
+    from axon_nb.rank import trainstate
+
+    return trainstate.get("model").optimizer.param_groups[0]
+
+
+def test_status_and_memory_carry_nvml_figures(cluster: axon_nb.Cluster) -> None:
+    pytest.importorskip("pynvml")
+    from axon_nb.rank.rank_status import rank_status
+
+    row = cluster.run(rank_status, stream=False)[0]
+    assert 0 <= row["gpu_util"] <= 100 and 0 <= row["memory_bw_util"] <= 100
+    result = cluster.train(**GPT_ARGS)
+    assert "gpu_util" in result.ranks[0]["memory"]

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from axon_nb.metrics.gpu_util import utilization
+
 if TYPE_CHECKING:
     import torch
     from torch import nn
@@ -48,7 +50,8 @@ def snapshot(
     Always: ``param_bytes``, ``grad_bytes``, ``optimizer_bytes`` (this rank's local tensors)
     and ``rss_bytes`` (process resident set). ``peak_bytes``: on CUDA the allocator's peak
     since the run started, on CPU the ``peak_bytes`` given (see ``metrics.peak``). On CUDA
-    also ``cuda_allocated``, ``cuda_reserved`` and ``cuda_peak``.
+    also ``cuda_allocated``, ``cuda_reserved`` and ``cuda_peak``, and where NVML is available
+    ``gpu_util`` and ``memory_bw_util`` (percent, ``axon_nb.metrics.gpu_util``).
     """
     figures = {**model_state(model, optimizer), "rss_bytes": psutil.Process().memory_info().rss}
     if peak_bytes is not None:
@@ -62,6 +65,7 @@ def snapshot(
             cuda_peak=torch.cuda.max_memory_allocated(device),
         )
         figures["peak_bytes"] = figures["cuda_peak"]
+        figures.update(utilization(device))
     return figures
 
 

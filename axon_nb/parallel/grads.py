@@ -36,9 +36,9 @@ def clip_grad_norm_(
     if group is not None:
         dist.all_reduce(total, group=group)
     norm = total.sqrt()
-    scale = min(1.0, max_norm / (float(norm) + 1e-6))
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # a tensor: no wait for the device
     for g in grads:
-        _local(g).mul_(scale)
+        _local(g).mul_(scale.to(g.dtype))
     return norm
 
 

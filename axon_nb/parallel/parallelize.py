@@ -4,8 +4,9 @@ The order, and why::
 
     1. tensor parallel        replaces Linear weights with DTensors; everything after wraps them
     2. activation checkpoint  wraps blocks, so stages hold and FSDP shards the wrapped blocks
-    3. pipeline split         keeps this rank's stages, frees the other layers
-    4. data parallel          FSDP | DDP | ZeRO-1 | ZeRO-2 over the data-parallel axes, per stage
+    3. compile (optional)     torch.compile each block in place, before it is sharded
+    4. pipeline split         keeps this rank's stages, frees the other layers
+    5. data parallel          FSDP | DDP | ZeRO-1 | ZeRO-2 over the data-parallel axes, per stage
 
 The result, :class:`ParallelModel`, answers everything the training loop and checkpoints ask
 of a layout (no_sync, the optimizer, clipping, full and sharded state), in one place.
@@ -35,6 +36,7 @@ from axon_nb.parallel.activation_checkpoint import (
     canonical_name,
     parameter_names,
 )
+from axon_nb.parallel.compile import apply_compile
 from axon_nb.parallel.config import ParallelConfig, PipelineConfig, TensorConfig
 from axon_nb.parallel.ddp import apply_ddp
 from axon_nb.parallel.dims import ParallelDims
@@ -46,9 +48,15 @@ from axon_nb.parallel.zero2 import GradShardedModel
 
 
 def parallelize(
-    model: nn.Module, dims: ParallelDims, config: ParallelConfig, device: torch.device
+    model: nn.Module,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    device: torch.device,
+    *,
+    compile: bool = False,
 ) -> ParallelModel:
-    """Apply ``config`` to ``model`` (already on ``device``) over the mesh of ``dims``."""
+    """Apply ``config`` to ``model`` (already on ``device``) over the mesh of ``dims``;
+    ``compile``: ``torch.compile`` its blocks first (``axon_nb.parallel.compile``)."""
     mesh = dims.mesh(device.type) if dist.is_initialized() else None
     dp_group = dims.dp_mesh(device.type).get_group() if mesh is not None else None
     coords = dims.coords(dist.get_rank() if dist.is_initialized() else 0)
@@ -62,6 +70,8 @@ def parallelize(
         apply_tp(model, mesh["tp"], config.tensor or TensorConfig(), owned)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing)
+    if compile:
+        apply_compile(model)
     parts = pipeline.cut_stages(model, bounds, mine) if piped else [model]
     parts = [_data_parallel(part, dims, config, mesh, dp_group, device) for part in parts]
     if piped:
@@ -89,7 +99,7 @@ def _data_parallel(
     dp_group: Any,
     device: torch.device,
 ) -> nn.Module:
-    """Step 4: ``part`` replicated or sharded over the data-parallel ranks."""
+    """Step 5: ``part`` replicated or sharded over the data-parallel ranks."""
     kind = config.data_parallel
     if kind in ("ddp", "zero1"):
         assert config.ddp is not None

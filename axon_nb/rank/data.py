@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from axon_nb.rank.prefetch import prefetched
+
 
 def resolve_dataset(data: Any) -> Dataset[Any]:
     """``data`` itself when it is a dataset, else ``data()``; checked to be map-style."""
@@ -57,26 +59,26 @@ class StepBatches:
                 "batch_size or more data"
             )
 
+    def on_device(self, step: int) -> Iterator[list[Any]]:
+        """:meth:`from_step` with the batches on the rank's device, prefetched one step ahead
+        on a GPU (``axon_nb.rank.prefetch``)."""
+        return prefetched(self.from_step(step), self.device)
+
     def from_step(self, step: int) -> Iterator[list[Any]]:
-        """Micro-batch lists for global steps ``step, step + 1, ...``, epoch after epoch."""
+        """Micro-batch lists (in host memory, pinned on a GPU rank) for global steps ``step,
+        step + 1, ...``, epoch after epoch."""
         per_step = self.micro_batch * self.grad_accum
         while True:
             epoch, offset = divmod(step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch)
             indices = list(self.sampler)[offset * per_step : self.steps_per_epoch * per_step]
-            loader = DataLoader(self.dataset, batch_size=self.micro_batch, sampler=indices)
+            loader = DataLoader(
+                self.dataset,
+                batch_size=self.micro_batch,
+                sampler=indices,
+                pin_memory=self.device.type == "cuda",
+            )
             batches = iter(loader)
             for _ in range(self.steps_per_epoch - offset):
-                yield [to_device(next(batches), self.device) for _ in range(self.grad_accum)]
+                yield [next(batches) for _ in range(self.grad_accum)]
                 step += 1
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it (tuples, lists, dicts) moved to ``device``."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple | list):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch

@@ -7,7 +7,9 @@ also used in one process by ``axon_nb.train_local``.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
+from collections import deque
 from typing import Any
 
 import cloudpickle
@@ -22,6 +24,7 @@ from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.parallel.grad_scaler import GradScaler
 from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
 from axon_nb.rank import runtime, trainstate
+from axon_nb.rank.agreement import StepAgreement
 from axon_nb.rank.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data import StepBatches, resolve_dataset
 from axon_nb.rank.interrupts import StopSignal
@@ -127,8 +130,10 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Ste
 
     model, dataset, batches = _agreed(ctx, build)
     dims = spec.strategy.dims(ctx.world_size, ctx.local_world_size)
-    parallel = parallelize(model.to(ctx.device), dims, spec.strategy.config(), ctx.device)
-    optimizer = parallel.build_optimizer(optimizer_factory(spec))
+    parallel = parallelize(
+        model.to(ctx.device), dims, spec.strategy.config(), ctx.device, compile=spec.compile
+    )
+    optimizer = parallel.build_optimizer(optimizer_factory(spec, ctx.device))
     lr_shape = LRShape(warmup_steps=spec.warmup_steps, horizon=spec.steps, shape=spec.schedule)
     state = TrainState(
         name=spec.name,
@@ -192,13 +197,21 @@ def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> StepBat
     )
 
 
-def optimizer_factory(spec: TrainSpec) -> OptimizerFactory:
+def optimizer_factory(spec: TrainSpec, device: torch.device) -> OptimizerFactory:
     """The run's optimizer: a named ``torch.optim`` class with its settings, or the user's
-    callable."""
+    callable. On a GPU, Adam and AdamW take PyTorch's fused kernel unless the settings choose
+    an implementation (``fused`` or ``foreach``)."""
     if callable(spec.optimizer):
         return OptimizerFactory(make=spec.optimizer)
     name, kwargs = spec.optimizer
-    return OptimizerFactory(getattr(torch.optim, OPTIMIZERS[name]), dict(kwargs))
+    kwargs = dict(kwargs)
+    if device.type == "cuda" and name in FUSED and not {"fused", "foreach"} & kwargs.keys():
+        kwargs["fused"] = True
+    return OptimizerFactory(getattr(torch.optim, OPTIMIZERS[name]), kwargs)
+
+
+FUSED = ("adam", "adamw")
+"""Named optimizers that default to ``fused=True`` on CUDA ranks."""
 
 
 def _grad_scaler(ctx: runtime.RankContext) -> torch.amp.GradScaler:
@@ -244,6 +257,9 @@ class _Loop:
     ) -> None:
         self.spec, self.ctx, self.state, self.publisher = spec, ctx, state, publisher
         self.meter = CommMeter()
+        self.agreement = StepAgreement(ctx.world_size, ctx.device)
+        self._records: deque[dict[str, Any]] = deque()
+        """Metrics of steps whose agreement is not read yet (see ``axon_nb.rank.agreement``)."""
         self.micro = _MicroStep(spec, ctx, state.scaler)
         self.stopped = False
         self.memory: dict[str, int] = {}
@@ -268,7 +284,7 @@ class _Loop:
         # data and publishing metrics: samples/s is end to end.
         started = time.perf_counter()
         for i, microbatches in zip(
-            range(self.spec.steps), batches.from_step(self.state.step), strict=False
+            range(self.spec.steps), batches.on_device(self.state.step), strict=False
         ):
             self.step(microbatches, stop, last=i == self.spec.steps - 1, started=started)
             started = time.perf_counter()
@@ -280,7 +296,9 @@ class _Loop:
     ) -> None:
         spec, state = self.spec, self.state
         lr = state.optimizer.param_groups[0]["lr"]
-        track = self.peak_bytes is None and self.ctx.device.type == "cpu"
+        # torch.compile does not trace under the tracker's dispatch mode (and would then
+        # leave the blocks uncompiled for good): compiled runs report no CPU peak.
+        track = self.peak_bytes is None and self.ctx.device.type == "cpu" and not spec.compile
         if track:
             held = sum(memory.model_state(state.model, state.optimizer).values())
         with PeakTracker() if track else contextlib.nullcontext() as tracker:
@@ -297,20 +315,13 @@ class _Loop:
         state.step += 1
         every = self.checkpoints
         written, time_due = (every.written(), every.time_due()) if every else (False, False)
-        global_loss, self.stopped, all_written, time_due = self._agree(
-            loss, stop.requested, written, time_due
-        )
-        if every is not None:
-            every.after_agreement(all_written, time_due, state, last=last or self.stopped)
+        self._post(loss, norm, flags=(stop.requested, written, time_due))
         elapsed = time.perf_counter() - started
         comm = self.meter.take()
-        self.publisher.add(
+        self._records.append(
             {
                 "step": state.step,
-                "loss": global_loss,
-                "rank_loss": float(loss) if self.loss_share else None,
                 "lr": lr,
-                "grad_norm": norm,
                 "samples": spec.batch_size,
                 "step_time_s": elapsed,
                 "samples_per_s": spec.batch_size / elapsed,
@@ -320,18 +331,57 @@ class _Loop:
                 **state.parallel.report(),
             }
         )
+        # Read the previous step's agreement (this one's too at the end, or to stop): every
+        # rank reads the same sums at the same boundary, so all stop at the same step.
+        stops, all_written, due = self._settle(keep=0 if last else 1)
+        if stops and not last:
+            more = self._settle(keep=0)
+            stops, all_written, due = True, more[1], due or more[2]
+        self.stopped = stops
+        if every is not None:
+            every.after_agreement(all_written, due, state, last=last or self.stopped)
         if publish and not (last or self.stopped):
             self.publish("running")
 
-    def _update(self, microbatches: list[Any]) -> tuple[torch.Tensor, float | None]:
+    def _post(self, loss: torch.Tensor, norm: torch.Tensor | None, flags: tuple[bool, ...]) -> None:
+        """Start this step's sum over the ranks: the loss weighted by this rank's share of the
+        global mean, and ``flags`` (stop requested, checkpoint written, checkpoint due)."""
+        device = loss.device
+        flag_values = torch.tensor([float(f) for f in flags])
+        if device.type == "cuda":  # pinned, so the copy queues without waiting for the GPU
+            flag_values = flag_values.pin_memory()
+        flag_values = flag_values.to(device, non_blocking=True)
+        loss = loss.float().reshape(1)
+        missing = torch.full((1,), float("nan"), device=device)
+        local = torch.cat([loss, missing if norm is None else norm.float().reshape(1)])
+        self.agreement.post(torch.cat([loss * self.loss_share, flag_values]), local=local)
+
+    def _settle(self, keep: int) -> tuple[bool, bool, bool]:
+        """Read the agreements of all but the ``keep`` newest steps, completing and streaming
+        their metrics; returns (any rank asked to stop, every rank's checkpoint write was done
+        at the newest of them, a time-based checkpoint was due at any of them)."""
+        stops = written = due = False
+        while len(self.agreement) > keep:
+            (total, stop, all_written, time_due), (rank_loss, norm) = self.agreement.take()
+            record = self._records.popleft()
+            record["loss"] = total
+            record["rank_loss"] = rank_loss if self.loss_share else None
+            record["grad_norm"] = None if math.isnan(norm) else norm
+            self.publisher.add(record)
+            stops = stops or stop > 0
+            written = all_written == self.ctx.world_size
+            due = due or time_due > 0
+        return stops, written, due
+
+    def _update(self, microbatches: list[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Forward, backward, clipping and the optimizer step; the loss and gradient norm."""
         spec, state = self.spec, self.state
         loss = self._forward_backward(microbatches)
         if state.scaler is not None:
             state.scaler.unscale_(state.optimizer)
         norm = None
-        if spec.clip_grad_norm is not None:
-            norm = float(state.parallel.clip_grad_norm(spec.clip_grad_norm))
+        if spec.clip_grad_norm is not None:  # a tensor, read with the step's agreement
+            norm = state.parallel.clip_grad_norm(spec.clip_grad_norm).detach()
         if state.scaler is not None:
             state.scaler.step(state.optimizer)
             state.scaler.update()
@@ -356,23 +406,6 @@ class _Loop:
             total = total + loss.detach()
         parallel.finish_backward()
         return total / len(microbatches)
-
-    def _agree(
-        self, loss: torch.Tensor, stop: bool, written: bool, time_due: bool
-    ) -> tuple[float, bool, bool, bool]:
-        """One small all-reduce per step: the global mean loss; whether any rank must stop;
-        whether every rank's background checkpoint write is done; whether any rank's clock
-        says a checkpoint is due.
-
-        Every rank leaves at the same step boundary, so none is left inside a collective.
-        """
-        if self.ctx.world_size == 1:
-            return float(loss), stop, written, time_due
-        flags = torch.tensor([float(stop), float(written), float(time_due)], device=loss.device)
-        both = torch.cat([(loss.float() * self.loss_share).reshape(1), flags])
-        dist.all_reduce(both)
-        total, stops, writes, due = both.tolist()
-        return total, stops > 0, writes == self.ctx.world_size, due > 0
 
     def publish(self, status: str, **fields: Any) -> None:
         if self.checkpoints is not None:

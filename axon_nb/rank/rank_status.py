@@ -6,6 +6,7 @@ from typing import Any
 
 import psutil
 
+from axon_nb.metrics.gpu_util import utilization
 from axon_nb.rank import runtime
 
 
@@ -24,6 +25,7 @@ def rank_status() -> dict[str, Any]:
             cuda_reserved=torch.cuda.memory_reserved(ctx.device),
             cuda_total=total,
             cuda_free=free,
+            **utilization(ctx.device),
         )
     row["runs"] = {name: state.step for name, state in trainstate.runs().items()}
     return row

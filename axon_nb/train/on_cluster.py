@@ -34,6 +34,7 @@ def train(
     grad_accum: int = 1,
     mixed_precision: str | None = None,
     clip_grad_norm: float | None = None,
+    compile: bool = False,
     schedule: str = "constant",
     warmup_steps: int = 0,
     seed: int = 0,
@@ -65,6 +66,11 @@ def train(
     again) is left out: training goes on with fewer ranks, at least ``min_ranks``, where the
     strategy's layout and ``batch_size`` allow it.
 
+    ``compile=True`` compiles each of the model's blocks with ``torch.compile`` before it is
+    sharded. On GPU ranks Adam and AdamW use PyTorch's fused kernels unless ``fused`` or
+    ``foreach`` is given, and the loop never waits for the GPU within a step: the ranks'
+    agreement (loss, stop) is read one step later and the next batch is copied ahead.
+
     Returns a :class:`TrainResult`, or with ``block=False`` a :class:`TrainHandle` at once.
     Ctrl-C stops every rank at the same step boundary and returns the result so far.
     ``cluster.train(...)`` is the same call. Example::
@@ -90,6 +96,7 @@ def train(
         grad_accum=grad_accum,
         mixed_precision=mixed_precision,
         clip_grad_norm=clip_grad_norm,
+        compile=compile,
         schedule=schedule,
         warmup_steps=warmup_steps,
         seed=seed,

@@ -62,6 +62,9 @@ class TrainSpec:
     """``"bf16"`` (autocast), ``"fp16"`` (autocast + grad scaler) or None (fp32)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm to this value before each optimizer step."""
+    compile: bool = False
+    """``torch.compile`` the model's blocks (each entry of its ``nn.ModuleList``), or the whole
+    model when it has none, before it is sharded (``axon_nb.parallel.compile``)."""
     schedule: str = "constant"
     """Learning-rate shape after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0)."""
     warmup_steps: int = 0
@@ -187,6 +190,8 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append(
             f"mixed_precision must be 'bf16', 'fp16' or None, got {spec.mixed_precision!r}"
         )
+    if not isinstance(spec.compile, bool):
+        errors.append(f"compile must be True or False, got {spec.compile!r}")
     if spec.clip_grad_norm is not None and not spec.clip_grad_norm > 0:
         errors.append(f"clip_grad_norm must be > 0 or None, got {spec.clip_grad_norm!r}")
     if spec.schedule not in SCHEDULES:

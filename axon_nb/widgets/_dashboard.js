@@ -137,6 +137,8 @@ function render({ model, el: root }) {
       el("span", { class: "axon-value" }, [
         `${bytes(r.held)} (peak ${bytes(r.peak)})` +
           (r.cuda_reserved != null ? ` · reserved ${bytes(r.cuda_reserved)}` : "") +
+          (r.gpu_util != null
+            ? ` · util ${r.gpu_util}% · memory bandwidth ${r.memory_bw_util}%` : "") +
           (r.rss_bytes ? ` · RSS ${bytes(r.rss_bytes)}` : ""),
       ]),
     ])));

@@ -61,9 +61,12 @@ def _memory(row: dict[str, Any]) -> int:
 
 
 def _memory_text(row: dict[str, Any]) -> str:
-    if "cuda_allocated" in row:
-        return f"{_mib(row['cuda_allocated'])} of {_mib(row['cuda_total'])} GPU"
-    return f"{_mib(row['rss_bytes'])} RSS"
+    if "cuda_allocated" not in row:
+        return f"{_mib(row['rss_bytes'])} RSS"
+    text = f"{_mib(row['cuda_allocated'])} of {_mib(row['cuda_total'])} GPU"
+    if "gpu_util" in row:  # NVML's figures, where it is available
+        text += f", util {row['gpu_util']}%, memory bandwidth {row['memory_bw_util']}%"
+    return text
 
 
 def _mib(n: int) -> str:
