@@ -6,7 +6,6 @@ WARMUP [cpu|cuda]`` trains it with hand-written PyTorch DDP and prints ``samples
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchrun_setup import init_torchrun
 
 BATCH_SIZE = 64
 """Global samples per step (32 per rank on 2 ranks)."""
@@ -64,16 +64,7 @@ def torchrun_main(steps: int, warmup: int, device_type: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))  # as axon_nb's
+    device = init_torchrun(device_type)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = DDP(make_model().to(device), device_ids=[device] if device_type == "cuda" else None)

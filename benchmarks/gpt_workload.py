@@ -8,13 +8,13 @@ optimizer) and prints ``tokens_per_s=<float>``.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchrun_setup import init_torchrun
 
 from axon_nb.models import GPT, GPTConfig, token_dataset
 
@@ -72,14 +72,7 @@ def torchrun_main(size: str, steps: int, warmup: int, device_type: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    local_rank = int(os.environ["LOCAL_RANK"])
-    if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
+    device = init_torchrun(device_type)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = make_model(size).to(device)

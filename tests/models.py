@@ -54,3 +54,17 @@ def mse_failing_at(step: int, rank: int):
         return mse(output, target)
 
     return loss
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """``n`` regression pairs read as a stream (the same items each time it is read)."""
+
+    def __init__(self, n: int = 512) -> None:
+        self.n = n
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(99)
+        w = torch.randn(8, 4, generator=g)
+        for _ in range(self.n):
+            x = torch.randn(8, generator=g)
+            yield x, torch.tanh(x @ w)

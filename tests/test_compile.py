@@ -23,10 +23,12 @@ ARGS: dict[str, Any] = dict(
     loss=lm_loss,
     steps=4,
     batch_size=16,
-    optimizer=("adamw", {"lr": 3e-3}),
+    # SGD: AdamW turns the float noise in gradients that are zero in exact arithmetic (the key
+    # bias's) into steps of about lr, whatever computes them.
+    optimizer=("sgd", {"lr": 0.05, "momentum": 0.9}),
 )
 TOL = 1e-4
-"""Inductor fuses and reorders float arithmetic: differences of ~1e-6 per step, grown by AdamW."""
+"""Inductor fuses and reorders float arithmetic: differences of ~1e-6 per step."""
 
 
 @pytest.fixture(scope="module")

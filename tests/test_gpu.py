@@ -136,3 +136,12 @@ def test_status_and_memory_carry_nvml_figures(cluster: axon_nb.Cluster) -> None:
     assert 0 <= row["gpu_util"] <= 100 and 0 <= row["memory_bw_util"] <= 100
     result = cluster.train(**GPT_ARGS)
     assert "gpu_util" in result.ranks[0]["memory"]
+
+
+def test_prefetched_batches_arrive_whole_and_in_order_on_the_gpu() -> None:
+    from axon_nb.rank.prefetch import prefetched
+
+    steps = [[(torch.full((256, 256), float(i)).pin_memory(), torch.tensor([i]))] for i in range(5)]
+    got = list(prefetched(iter(steps), torch.device("cuda", 0)))
+    assert [int(b[0][1].item()) for b in got] == [0, 1, 2, 3, 4]
+    assert all(b[0][0].is_cuda and bool((b[0][0] == i).all()) for i, b in enumerate(got))

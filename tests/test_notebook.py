@@ -26,3 +26,13 @@ def test_sharding_notebook_executes(tmp_path: Path) -> None:
     text = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
     assert "zero 2" in text and "fsdp shard_grad_op" in text
     assert "same losses after loading: True" in text
+
+
+def test_dask_data_notebook_executes(tmp_path: Path) -> None:
+    nb = execute(EXAMPLES / "dask_data.ipynb", tmp_path / "dask_data.ipynb")
+    outputs = [out for cell in nb.cells for out in cell.get("outputs", [])]
+    text = "".join(out.get("text", "") for out in outputs)
+    html = "".join(str(out.get("data", {}).get("text/html", "")) for out in outputs)
+    assert "4 partitions" in text and 'dask dashboard: <a href="http://127.0.0.1:' in html
+    first, last = (float(x) for x in text.split("loss ")[1].split()[0:3:2])
+    assert last < first * 0.7  # it learned

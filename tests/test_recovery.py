@@ -143,7 +143,9 @@ def test_a_rank_that_cannot_come_back_is_left_out(tmp_path: Path) -> None:
         # rank 3 died at its 7th step, and again after a restart on 4 ranks; 3 ranks
         # cannot split batch_size=16, so the run went on with 2
         assert [(r["rank"], r["world_size"]) for r in result.restarts] == [(3, 4), (3, 2)]
-        assert all(r["failed_at_step"] >= 6 for r in result.restarts)  # (the last step streamed)
+        # the last step streamed: a step's record is complete once the next step's agreement
+        # is posted (the loop reads it a step late), so step 5's while rank 3 was in step 7
+        assert all(r["failed_at_step"] >= 5 for r in result.restarts)
         assert len(cluster.ranks) == 2
         assert [h["step"] for h in result.history] == list(range(1, 17))
         # the same samples per step; only the order of the smaller world's sums differs

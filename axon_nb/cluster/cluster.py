@@ -18,6 +18,7 @@ import psutil
 
 from axon_nb.cluster import hangs, reaper, startup
 from axon_nb.cluster.control import Control, held_interrupts
+from axon_nb.cluster.dask_on_ranks import DaskOnRanks
 from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
 from axon_nb.cluster.launchers import LAUNCHERS
 from axon_nb.cluster.options import ClusterOptions, parse_hosts
@@ -34,6 +35,8 @@ from axon_nb.rank import entry
 from axon_nb.rank.watch import NATIVE_SIGNAL
 
 if TYPE_CHECKING:
+    import distributed
+
     from axon_nb.checkpoint import Checkpoint
     from axon_nb.train import TrainHandle, TrainResult
 
@@ -96,6 +99,8 @@ class Cluster:
         self._dead: set[int] = set()
         self.ranks: list[dict[str, Any]] = []
         """One summary per rank (rank, host, pid, device, backend, ...), in rank order."""
+        self._dask = DaskOnRanks()
+        self._dask_rows: list[Any] = []
         self.last_run: TrainHandle | None = None
         """The latest ``train()`` call's handle (``%axon_dashboard`` shows its dashboard)."""
 
@@ -159,6 +164,8 @@ class Cluster:
             print("(Ctrl-C was held until the cluster had stopped)", file=sys.stderr)
 
     def _stop(self) -> None:
+        self._dask_rows = []
+        self._dask.close()
         if self._client is not None:
             # Ask the engines to exit first (a broken world's survivors are killed, through
             # their nannies): mpiexec then ends at once, where a SIGTERM to it would wait
@@ -360,6 +367,21 @@ class Cluster:
             timeout=timeout,
         )
 
+    def dask(self) -> distributed.Client:
+        """A ``distributed.Client`` whose workers are the ranks (one per rank, in its engine
+        process), its scheduler in the controller; bound like the rest of the cluster. Made on
+        first use and again after a restart; stopped with the cluster. Example::
+
+            client = cluster.dask()          # shows the dask dashboard link in a notebook
+            df = dd.read_parquet("data/*.parquet").persist()   # read by the ranks
+        """
+        _ = self.client  # raises when the cluster is not running
+        return self._dask.ensure(self)
+
+    def hold_dask_rows(self, futures: list[Any]) -> None:
+        """Keep the dask futures of the latest run's rows alive (the previous run's go)."""
+        self._dask_rows = list(futures)
+
     def exposure(self) -> str:
         """One line: what the cluster's processes listen on, beyond this kernel. Example::
 
@@ -368,16 +390,22 @@ class Cluster:
         if not self.ranks:
             return "Not running: nothing listens."
         stores = {r.get("store", "") for r in self.ranks}
+        dask = (
+            " The dask scheduler and its dashboard (cluster.dask()) bind the controller's "
+            "address, each rank's worker its own."
+            if self._dask.client is not None
+            else ""
+        )
         if not self.options.multi_host:
             return (
                 "Listening on loopback only: the controller, MPI and gloo bind 127.0.0.1, and the "
-                "ranks meet through a store file in an owner-only directory."
+                "ranks meet through a store file in an owner-only directory." + dask
             )
         controller = self._ipp.controller_ip if self._ipp is not None else "?"
         return (
             f"Listening on the ranks' network: the controller on {controller}, the rendezvous "
             f"store on {', '.join(sorted(stores))}, gloo and MPI on each rank's address; "
-            "also hydra's mpiexec on every interface of this host (MPICH cannot narrow it)."
+            "also hydra's mpiexec on every interface of this host (MPICH cannot narrow it)." + dask
         )
 
     def table(self) -> str:

@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
+from axon_nb.rank.dask_rows import DaskShards
+from axon_nb.rank.dask_shard import PiecesDataset
 from axon_nb.rank.prefetch import prefetched
 
 
-def resolve_dataset(data: Any) -> Dataset[Any]:
-    """``data`` itself when it is a dataset, else ``data()``; checked to be map-style."""
+def resolve_dataset(data: Any, rank: int = 0) -> Dataset[Any]:
+    """``data`` itself when it is a dataset, else ``data()``; checked to be map-style. A dask
+    collection comes as :class:`DaskShards`: ``rank``'s pieces, from its own worker."""
+    if isinstance(data, DaskShards):
+        return data.dataset(rank)
     dataset = data() if callable(data) and not hasattr(data, "__getitem__") else data
+    if is_dask_collection(dataset):
+        raise TypeError(
+            "data= returned a dask collection on the ranks: pass the collection itself "
+            "(data=df, with columns= for a DataFrame), so its partitions are laid out over "
+            "the ranks' dask workers instead of computed whole on every rank"
+        )
+    if isinstance(dataset, IterableDataset):
+        return dataset  # read as a stream (axon_nb.rank.iterable)
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(
-            f"data must be a map-style Dataset (with __len__ and __getitem__) or a callable "
-            f"returning one, got {type(dataset).__name__}"
+            f"data must be a map-style Dataset (with __len__ and __getitem__), an "
+            f"IterableDataset, or a callable returning one; got {type(dataset).__name__}"
         )
     return dataset
 
@@ -41,14 +55,21 @@ class StepBatches:
         world_size: int,
         seed: int,
         device: torch.device,
+        loader: dict[str, Any] | None = None,
     ) -> None:
         self.dataset = dataset
+        self.loader_options = loader_options(loader, device)
         self.micro_batch = batch_size // (world_size * grad_accum)
         self.grad_accum = grad_accum
         self.device = device
-        self.sampler = DistributedSampler(
-            dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed, drop_last=True
-        )
+        self.sampler: Any = (
+            dataset.sampler(seed)  # each rank reads only its own pieces
+            if isinstance(dataset, PiecesDataset)
+            else DistributedSampler(
+                dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
+                drop_last=True,
+            )
+        )  # fmt: skip
         per_rank = self.micro_batch * grad_accum
         self.steps_per_epoch = len(self.sampler) // per_rank
         if self.steps_per_epoch == 0:
@@ -68,17 +89,44 @@ class StepBatches:
         """Micro-batch lists (in host memory, pinned on a GPU rank) for global steps ``step,
         step + 1, ...``, epoch after epoch."""
         per_step = self.micro_batch * self.grad_accum
+        indices = _Indices()  # one loader for the run, so persistent workers persist
+        loader = DataLoader(
+            self.dataset, batch_size=self.micro_batch, sampler=indices, **self.loader_options
+        )
         while True:
             epoch, offset = divmod(step, self.steps_per_epoch)
             self.sampler.set_epoch(epoch)
-            indices = list(self.sampler)[offset * per_step : self.steps_per_epoch * per_step]
-            loader = DataLoader(
-                self.dataset,
-                batch_size=self.micro_batch,
-                sampler=indices,
-                pin_memory=self.device.type == "cuda",
-            )
+            indices.order = list(self.sampler)[offset * per_step : self.steps_per_epoch * per_step]
             batches = iter(loader)
             for _ in range(self.steps_per_epoch - offset):
                 yield [next(batches) for _ in range(self.grad_accum)]
                 step += 1
+
+
+def is_dask_collection(data: Any) -> bool:
+    if "dask" not in sys.modules:  # nothing made one without importing dask
+        return False
+    import dask
+
+    return bool(dask.is_dask_collection(data))
+
+
+class _Indices(Sampler[int]):
+    """The current epoch's indices for this rank (set before each pass of the loader)."""
+
+    def __init__(self) -> None:
+        self.order: list[int] = []
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
+def loader_options(given: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
+    """The DataLoader keywords of a run: ``given`` (checked in the kernel by
+    ``axon_nb.train.spec``), with pinned memory on GPU ranks unless it says otherwise."""
+    options = dict(given or {})
+    options.setdefault("pin_memory", device.type == "cuda")
+    return options

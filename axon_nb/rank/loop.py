@@ -16,6 +16,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from axon_nb.metrics import memory
 from axon_nb.metrics.comm import CommMeter
@@ -28,6 +29,7 @@ from axon_nb.rank.agreement import StepAgreement
 from axon_nb.rank.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data import StepBatches, resolve_dataset
 from axon_nb.rank.interrupts import StopSignal
+from axon_nb.rank.iterable import IterableSteps
 from axon_nb.rank.trainstate import LRShape, TrainState
 from axon_nb.train.spec import OPTIMIZERS, TrainSpec
 
@@ -102,8 +104,13 @@ def run(
         "comm_totals": loop.meter.totals(),
         "elapsed_s": time.monotonic() - loop.started,
         "checkpoint": loop.checkpoints.last if loop.checkpoints is not None else None,
+        "data_ended_at": loop.data_ended_at,
     }
     return summary, state
+
+
+Batches = StepBatches | IterableSteps
+"""A run's data, step by step: map-style (``rank.data``) or a stream (``rank.iterable``)."""
 
 
 class _PeerFailed(Exception):
@@ -111,13 +118,13 @@ class _PeerFailed(Exception):
         self.ranks = ranks
 
 
-def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, StepBatches]:
+def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batches]:
     """The run's state (fresh or resumed) and its data; user code failing on some ranks only
     is agreed on first, so no rank is left waiting in a collective."""
     if spec.resume:
         return _resume(spec, ctx)
 
-    def build() -> tuple[nn.Module, Any, StepBatches]:
+    def build() -> tuple[nn.Module, Any, Batches]:
         torch.manual_seed(spec.seed)  # the same initial parameters on every rank
         model = spec.model() if not isinstance(spec.model, nn.Module) else spec.model
         if not isinstance(model, nn.Module):
@@ -125,7 +132,7 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Ste
                 f"model must be an nn.Module or a callable returning one; it returned "
                 f"{type(model).__name__}"
             )
-        dataset = resolve_dataset(spec.data)
+        dataset = resolve_dataset(spec.data, ctx.rank)
         return model, dataset, _batches(spec, ctx, dataset)
 
     model, dataset, batches = _agreed(ctx, build)
@@ -150,14 +157,14 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Ste
     return state, batches
 
 
-def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, StepBatches]:
+def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batches]:
     state = trainstate.get(spec.name)
     if spec.strategy != state.strategy:
         raise ValueError(
             f"resume=True continues {spec.name!r}, trained with {state.strategy}; got "
             f"{spec.strategy}. Resume with the same strategy, or train afresh (resume=False)"
         )
-    dataset = state.dataset if spec.data is None else resolve_dataset(spec.data)
+    dataset = state.dataset if spec.data is None else resolve_dataset(spec.data, ctx.rank)
     batches = _batches(spec, ctx, dataset)
     changes = spec.optimizer_kwargs
     unknown = [k for k in changes if k not in state.optimizer.param_groups[0]]
@@ -183,18 +190,20 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Step
     return state, batches
 
 
-def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> StepBatches:
+def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> Batches:
     dims = spec.strategy.dims(ctx.world_size, ctx.local_world_size)
     index, replicas = dims.data_rank(ctx.rank)
-    return StepBatches(
-        dataset,
+    common = dict(
         batch_size=spec.batch_size,
         grad_accum=spec.grad_accum,
         rank=index,
         world_size=replicas,
-        seed=spec.seed,
         device=ctx.device,
+        loader=spec.loader,
     )
+    if isinstance(dataset, IterableDataset):
+        return IterableSteps(dataset, **common)
+    return StepBatches(dataset, seed=spec.seed, **common)
 
 
 def optimizer_factory(spec: TrainSpec, device: torch.device) -> OptimizerFactory:
@@ -262,12 +271,18 @@ class _Loop:
         """Metrics of steps whose agreement is not read yet (see ``axon_nb.rank.agreement``)."""
         self.micro = _MicroStep(spec, ctx, state.scaler)
         self.stopped = False
+        self.data_ended_at: int | None = None
+        """The step at which a stream ran out on some rank (every rank stopped there)."""
         self.memory: dict[str, int] = {}
         self.loss_share = state.parallel.dims.loss_share(ctx.rank)
         """Weight of this rank's loss in the global mean; 0 on a pipeline's earlier stages."""
         self.peak_bytes: int | None = None
         """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
         self.started = time.monotonic()
+        self._first_step = state.step
+        self.reported_step = state.step
+        """The newest step whose record is complete (its agreement read): what ``publish``
+        reports, so progress and the records agree."""
         self.checkpoints: PeriodicCheckpoints | None = None
         if spec.checkpoint_dir is not None:
             self.checkpoints = PeriodicCheckpoints(
@@ -279,7 +294,7 @@ class _Loop:
                 run_id=run_id,
             )
 
-    def run(self, batches: StepBatches, stop: StopSignal) -> None:
+    def run(self, batches: Batches, stop: StopSignal) -> None:
         # A step's time runs from the end of the previous one, so it includes loading its
         # data and publishing metrics: samples/s is end to end.
         started = time.perf_counter()
@@ -290,6 +305,17 @@ class _Loop:
             started = time.perf_counter()
             if self.stopped:
                 return
+        # Only a stream ends before the last step (every rank at the same one).
+        self.data_ended_at = getattr(batches, "ended_at", None)
+        if len(self.agreement):
+            self.stopped = self._settle(keep=0)[0]
+        if self.data_ended_at is not None and self.data_ended_at == self._first_step:
+            per_rank = self.spec.batch_size // self.state.parallel.dims.dp
+            raise ValueError(
+                f"the data gave no complete step: each data-parallel rank needs {per_rank} "
+                "items per step (batch_size / data-parallel ranks); use a smaller batch_size "
+                "or more data"
+            )
 
     def step(
         self, microbatches: list[Any], stop: StopSignal, *, last: bool, started: float
@@ -368,6 +394,7 @@ class _Loop:
             record["rank_loss"] = rank_loss if self.loss_share else None
             record["grad_norm"] = None if math.isnan(norm) else norm
             self.publisher.add(record)
+            self.reported_step = record["step"]
             stops = stops or stop > 0
             written = all_written == self.ctx.world_size
             due = due or time_due > 0
@@ -412,7 +439,7 @@ class _Loop:
             fields["checkpoint"] = self.checkpoints.last
         self.publisher.publish(
             status,
-            step=self.state.step,
+            step=self.reported_step,  # the last step whose record is complete
             elapsed_s=time.monotonic() - self.started,
             memory=self.memory,
             comm_totals=self.meter.totals(),

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from axon_nb.strategies import SingleDevice
+from axon_nb.train import dask_data
+from axon_nb.train.dask_data import is_dask_data
 from axon_nb.train.result import TrainResult, build_result
 from axon_nb.train.spec import check_world, make_spec
 
@@ -16,6 +19,7 @@ def train_local(
     data: Any = None,
     *,
     strategy: Any = None,
+    columns: tuple[Any, Any] | None = None,
     optimizer: Any = None,
     loss: Callable[..., Any] | None = None,
     steps: int,
@@ -23,6 +27,7 @@ def train_local(
     grad_accum: int = 1,
     mixed_precision: str | None = None,
     clip_grad_norm: float | None = None,
+    loader: dict[str, Any] | None = None,
     compile: bool = False,
     schedule: str = "constant",
     warmup_steps: int = 0,
@@ -51,6 +56,7 @@ def train_local(
         model=model,
         data=data,
         strategy=strategy,
+        columns=columns,
         optimizer=optimizer,
         loss=loss,
         steps=steps,
@@ -58,6 +64,7 @@ def train_local(
         grad_accum=grad_accum,
         mixed_precision=mixed_precision,
         clip_grad_norm=clip_grad_norm,
+        loader=loader,
         compile=compile,
         schedule=schedule,
         warmup_steps=warmup_steps,
@@ -66,6 +73,10 @@ def train_local(
         name=name,
     )
     check_world(spec, 1)
+    if is_dask_data(spec.data):  # the whole collection, computed here as one rank's pieces
+        spec = dataclasses.replace(spec, data=dask_data.local(spec.data, spec.columns, batch_size))
+    elif spec.columns is not None:
+        raise ValueError("columns= names a dask DataFrame's columns; data= is not one")
     ctx = runtime.RankContext(
         rank=0,
         world_size=1,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import uuid
 from collections.abc import Callable, Sequence
@@ -11,6 +12,7 @@ import cloudpickle
 
 from axon_nb.rank import entry
 from axon_nb.strategies import DDP
+from axon_nb.train.dask_data import is_dask_data, partitions, place
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.recovery import train_with_restarts
 from axon_nb.train.result import TrainResult
@@ -27,6 +29,7 @@ def train(
     data: Any = None,
     *,
     strategy: Any = None,
+    columns: tuple[Any, Any] | None = None,
     optimizer: Any = None,
     loss: Callable[..., Any] | None = None,
     steps: int,
@@ -34,6 +37,7 @@ def train(
     grad_accum: int = 1,
     mixed_precision: str | None = None,
     clip_grad_norm: float | None = None,
+    loader: dict[str, Any] | None = None,
     compile: bool = False,
     schedule: str = "constant",
     warmup_steps: int = 0,
@@ -66,6 +70,11 @@ def train(
     again) is left out: training goes on with fewer ranks, at least ``min_ranks``, where the
     strategy's layout and ``batch_size`` allow it.
 
+    ``data`` may be a dask DataFrame (with ``columns=(features, target)``), a pair of dask
+    Arrays ``(inputs, targets)`` or a Bag of ``(input, target)`` items: its partitions are
+    computed on the ranks' own dask workers (``cluster.dask()``, started on demand), each
+    rank keeping only its share; the rows never pass through the kernel.
+
     ``compile=True`` compiles each of the model's blocks with ``torch.compile`` before it is
     sharded. On GPU ranks Adam and AdamW use PyTorch's fused kernels unless ``fused`` or
     ``foreach`` is given, and the loop never waits for the GPU within a step: the ranks'
@@ -89,6 +98,7 @@ def train(
         model=model,
         data=data,
         strategy=strategy,
+        columns=columns,
         optimizer=optimizer,
         loss=loss,
         steps=steps,
@@ -96,6 +106,7 @@ def train(
         grad_accum=grad_accum,
         mixed_precision=mixed_precision,
         clip_grad_norm=clip_grad_norm,
+        loader=loader,
         compile=compile,
         schedule=schedule,
         warmup_steps=warmup_steps,
@@ -111,6 +122,10 @@ def train(
         min_ranks=min_ranks,
     )
     check_world(spec, len(cluster.targets()), cluster.ranks_per_host)
+    if is_dask_data(spec.data):
+        partitions(spec.data, spec.columns)  # checks the columns before anything runs
+    elif spec.columns is not None:
+        raise ValueError("columns= names a dask DataFrame's columns; data= is not one")
     if spec.min_ranks is not None and spec.min_ranks > len(cluster.ranks):
         raise ValueError(
             f"min_ranks={spec.min_ranks} is more than the {len(cluster.ranks)} ranks running"
@@ -140,7 +155,13 @@ def start_run(
     """Send ``spec`` to every rank and return the run's handle at once."""
     targets = cluster.targets()
     run = uuid.uuid4().hex[:12]
-    ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(spec), run)
+    sent = spec
+    if is_dask_data(spec.data):  # each rank gets only where its rows are
+        dims = spec.strategy.dims(len(targets), cluster.ranks_per_host)
+        shards, held = place(cluster, spec.data, spec.columns, dims, spec.batch_size // dims.dp)
+        cluster.hold_dask_rows(held)
+        sent = dataclasses.replace(spec, data=shards)
+    ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(sent), run)
     handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted)
     for note in notes:
         handle.dashboard.note(note)

@@ -65,6 +65,9 @@ class TrainResult:
     ``per_rank`` (``loss``, ``step_time_s``, ``comm_bytes``, ``comm_time_s`` lists by rank)."""
     ranks: list[dict[str, Any]]
     """Per rank: ``device``, ``memory`` (bytes), ``comm_totals`` (per kind), ``elapsed_s``."""
+    data_ended_at: int | None = None
+    """Iterable data: the step at which the stream ran out on some rank (every rank stopped
+    there, ``status`` stays ``finished``); None when it lasted."""
     checkpoint: dict[str, Any] | None = None
     """With ``checkpoint_dir``: the newest complete periodic checkpoint (``step``, ``path``)."""
     restarts: list[dict[str, Any]] = field(default_factory=list)
@@ -150,6 +153,7 @@ def build_result(
         step=summaries[0]["step"],
         history=merge_records(by_rank),
         checkpoint=summaries[0].get("checkpoint"),
+        data_ended_at=summaries[0].get("data_ended_at"),
         ranks=[
             {k: s[k] for k in ("rank", "device", "memory", "comm_totals", "elapsed_s")}
             for s in summaries

@@ -45,9 +45,13 @@ class TrainSpec:
     model: Any
     """``nn.Module`` or a zero-argument callable returning one (called on every rank)."""
     data: Any
-    """``torch.utils.data.Dataset`` of ``(input, target)`` items, or a callable returning one."""
+    """``torch.utils.data.Dataset`` of ``(input, target)`` items, or a callable returning one;
+    or a dask DataFrame (with ``columns``), a pair of dask Arrays or a Bag (laid out over the
+    ranks' workers as ``DaskShards`` before the ranks receive the spec)."""
     strategy: Strategy
     """How the model is parallelized across the ranks."""
+    columns: tuple[Any, Any] | None = None
+    """For a dask DataFrame as ``data``: ``(feature columns, target column or columns)``."""
     optimizer: tuple[str, dict[str, Any]] | Callable[..., Any]
     """``(name, kwargs)`` for a ``torch.optim`` optimizer, or ``params -> Optimizer``."""
     loss: Callable[..., Any] | None = None
@@ -62,6 +66,9 @@ class TrainSpec:
     """``"bf16"`` (autocast), ``"fp16"`` (autocast + grad scaler) or None (fp32)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm to this value before each optimizer step."""
+    loader: dict[str, Any] | None = None
+    """Options of each rank's DataLoader: ``num_workers``, ``pin_memory`` (default: on GPU
+    ranks), ``prefetch_factor``, ``persistent_workers``."""
     compile: bool = False
     """``torch.compile`` the model's blocks (each entry of its ``nn.ModuleList``), or the whole
     model when it has none, before it is sharded (``axon_nb.parallel.compile``)."""
@@ -190,6 +197,7 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append(
             f"mixed_precision must be 'bf16', 'fp16' or None, got {spec.mixed_precision!r}"
         )
+    errors += _check_loader(spec.loader)
     if not isinstance(spec.compile, bool):
         errors.append(f"compile must be True or False, got {spec.compile!r}")
     if spec.clip_grad_norm is not None and not spec.clip_grad_norm > 0:
@@ -204,6 +212,37 @@ def _check(spec: TrainSpec) -> list[str]:
     if spec.metrics_interval_s < 0:
         errors.append(f"metrics_interval_s must be >= 0, got {spec.metrics_interval_s!r}")
     return errors + _check_checkpoints(spec)
+
+
+LOADER_OPTIONS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
+"""``loader=`` keys (``axon_nb.rank.data`` passes them to each rank's DataLoader)."""
+
+
+def _check_loader(loader: Any) -> list[str]:
+    if loader is None:
+        return []
+    if not isinstance(loader, dict):
+        return [f"loader must be a dict of DataLoader options, got {loader!r}"]
+    errors = []
+    unknown = sorted(set(loader) - set(LOADER_OPTIONS))
+    if unknown:
+        errors.append(f"loader has unknown option(s) {unknown}; use {', '.join(LOADER_OPTIONS)}")
+    workers = loader.get("num_workers", 0)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        errors.append(f"loader num_workers must be an integer >= 0, got {workers!r}")
+    elif not workers:
+        needs = [k for k in ("prefetch_factor", "persistent_workers") if loader.get(k)]
+        if needs:
+            errors.append(f"loader {' and '.join(needs)} need num_workers >= 1 (worker processes)")
+    factor = loader.get("prefetch_factor")
+    if factor is not None and (
+        isinstance(factor, bool) or not isinstance(factor, int) or factor < 1
+    ):
+        errors.append(f"loader prefetch_factor must be an integer >= 1, got {factor!r}")
+    for flag in ("pin_memory", "persistent_workers"):
+        if flag in loader and not isinstance(loader[flag], bool):
+            errors.append(f"loader {flag} must be True or False, got {loader[flag]!r}")
+    return errors
 
 
 def _check_checkpoints(spec: TrainSpec) -> list[str]:

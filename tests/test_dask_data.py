@@ -1,0 +1,149 @@
+"""Dask on the ranks: ``cluster.dask()`` runs a worker in every rank, and ``train`` takes dask
+DataFrames, Array pairs and Bags, each rank computing and keeping only its own share; the run
+equals ``train_local`` on the same collection computed in one process."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import dask
+import dask.array as da
+import dask.bag as db
+import dask.dataframe as dd
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from equivalence import check_equal
+from models import mse
+
+import axon_nb
+from axon_nb import DDP, FSDP
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+FEATURES = ["f0", "f1", "f2", "f3", "f4", "f5", "f6", "f7"]
+
+
+def frame(rows: int = 403, partitions: int = 4) -> dd.DataFrame:
+    """A regression table with uneven partitions (the last rows do not fill a piece)."""
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(rows, 8)).astype(np.float32)
+    w = rng.normal(size=(8, 4)).astype(np.float32)
+    y = np.tanh(x @ w)
+    table = pd.DataFrame(x, columns=FEATURES)
+    for i in range(4):
+        table[f"y{i}"] = y[:, i]
+    return dd.from_pandas(table, npartitions=partitions, sort=False)
+
+
+def mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+ARGS: dict[str, Any] = dict(model=mlp, loss=mse, steps=12, batch_size=32)
+TARGETS = ["y0", "y1", "y2", "y3"]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    with axon_nb.Cluster(n=2, timeout=120) as c:
+        yield c
+
+
+def _rows_held() -> int:
+    from axon_nb.rank import trainstate
+
+    return len(trainstate.get("model").dataset)
+
+
+def test_the_ranks_are_the_dask_workers_on_loopback(cluster: axon_nb.Cluster) -> None:
+    client = cluster.dask()
+    info = client.scheduler_info(n_workers=-1)
+    assert sorted(w["name"] for w in info["workers"].values()) == ["rank-0", "rank-1"]
+    pids = {w["name"]: w.get("pid") for w in info["workers"].values()}
+    by_pid = client.run(lambda: __import__("os").getpid())
+    assert sorted(by_pid.values()) == sorted(r["pid"] for r in cluster.ranks)  # in the engines
+    hosts = {urlsplit(a).hostname for a in [client.scheduler.address, *info["workers"]]}
+    assert hosts == {"127.0.0.1"}
+    assert "127.0.0.1" in client.dashboard_link
+    assert cluster.dask() is client  # made once
+    assert "dask scheduler" in cluster.exposure()
+    assert pids  # named per rank
+    # dask work runs on the ranks
+    assert dask.compute(da.ones(100, chunks=10).sum(), scheduler=client)[0] == 100
+
+
+def test_a_dataframe_trains_as_in_one_process_each_rank_keeping_its_half(
+    cluster: axon_nb.Cluster,
+) -> None:
+    args = {**ARGS, "data": frame(), "columns": (FEATURES, TARGETS)}
+    ref = axon_nb.train_local(**args)
+    check_equal(cluster, ref, {**args, "strategy": DDP()}, loss_tol=1e-5, param_tol=1e-5)
+    assert cluster.run(_rows_held, stream=False) == [200, 200]  # 4 pieces of 100, 2 each
+    # a sharded strategy reads the same pieces
+    check_equal(cluster, ref, {**args, "strategy": FSDP()}, loss_tol=1e-5, param_tol=1e-4)
+
+
+def test_array_pairs_and_bags_train_as_in_one_process(cluster: axon_nb.Cluster) -> None:
+    table = frame().compute()
+    x = da.from_array(table[FEATURES].to_numpy(), chunks=(101, 4))
+    y = da.from_array(table[TARGETS].to_numpy(), chunks=(60, 4))  # rechunked to x's rows
+    ref = axon_nb.train_local(**ARGS, data=(x, y))
+    check_equal(cluster, ref, {**ARGS, "data": (x, y)}, loss_tol=1e-5, param_tol=1e-5)
+    items = [(row[FEATURES].to_numpy(), row[TARGETS].to_numpy()) for _, row in table.iterrows()]
+    bag = db.from_sequence(items, partition_size=101)  # 4 partitions
+    ref = axon_nb.train_local(**ARGS, data=bag)
+    check_equal(cluster, ref, {**ARGS, "data": bag}, loss_tol=1e-5, param_tol=1e-5)
+
+
+def test_bad_collections_say_what_is_wrong_and_leave_nothing(cluster: axon_nb.Cluster) -> None:
+    df = frame()
+    client = cluster.dask()
+    held = set(client.who_has())  # the last run's rows
+    with pytest.raises(ValueError, match=r"no column 'nope'; the columns are \['f0'"):
+        cluster.train(**ARGS, data=df, columns=(FEATURES, "nope"))
+    with pytest.raises(ValueError, match="needs columns=\\(features, target\\)"):
+        cluster.train(**ARGS, data=df)
+    with pytest.raises(ValueError, match=r"3 partitions; 2 data-parallel ranks .*npartitions=4"):
+        cluster.train(**ARGS, data=frame(partitions=3), columns=(FEATURES, TARGETS))
+    with pytest.raises(ValueError, match="each of the 2 data-parallel ranks gets 10, fewer"):
+        cluster.train(**ARGS, data=frame(rows=20), columns=(FEATURES, TARGETS))
+    assert _settled(client, held)  # nothing computed for them was left behind
+    # a collection persisted through a client that was closed since
+    gone = client.persist(df)
+    client.close()
+    with pytest.raises(ValueError, match="its dask client was closed"):
+        cluster.train(**ARGS, data=gone, columns=(FEATURES, TARGETS))
+    result = cluster.train(**ARGS, data=df, columns=(FEATURES, TARGETS))  # a new client
+    assert result.step == ARGS["steps"]
+
+
+def _settled(client: Any, held: set[Any], seconds: float = 10) -> bool:
+    """Whether the client holds exactly ``held`` (releases reach the scheduler shortly)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while set(client.who_has()) != held and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return set(client.who_has()) == held
+
+
+def test_dask_comes_back_after_a_restart(cluster: axon_nb.Cluster) -> None:
+    before = cluster.dask()
+    cluster.restart()
+    after = cluster.dask()
+    assert after is not before and after.status == "running"
+    assert len(after.scheduler_info(n_workers=-1)["workers"]) == 2
+    assert before.status != "running"
+
+
+def test_the_dask_dashboard_binds_loopback(cluster: axon_nb.Cluster) -> None:
+    link = urlsplit(cluster.dask().dashboard_link)
+    with socket.create_connection((link.hostname, link.port), timeout=5):
+        pass
+    assert link.hostname == "127.0.0.1"
