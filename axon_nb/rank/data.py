@@ -19,7 +19,8 @@ def resolve_dataset(data: Any, rank: int = 0) -> Dataset[Any]:
     collection comes as :class:`DaskShards`: ``rank``'s pieces, from its own worker."""
     if isinstance(data, DaskShards):
         return data.dataset(rank)
-    dataset = data() if callable(data) and not hasattr(data, "__getitem__") else data
+    factory = isinstance(data, type) or not hasattr(data, "__getitem__")  # a class is one too
+    dataset = data() if callable(data) and factory else data
     if is_dask_collection(dataset):
         raise TypeError(
             "data= returned a dask collection on the ranks: pass the collection itself "
