@@ -146,6 +146,36 @@ class AxonMagics(Magics):
         report = self._require_cluster().stacks(_parse_ranks(args.ranks))
         print(report.format(full=args.full))
 
+    @magic_arguments()
+    @argument("collectives", nargs="*", help="all_reduce, all_gather, ... or all (default)")
+    @argument("--sizes", default="1K:16M", help="first:last, doubling, e.g. 1K:256M")
+    @argument("--iters", type=int, default=10, help="timed calls per size")
+    @argument("--warmup", type=int, default=3, help="untimed calls per size first")
+    @line_magic
+    def axon_bench(self, line: str) -> None:
+        """Measure collective bandwidth on the ranks, as nccl-tests does: time per call,
+        algorithm and bus bandwidth per size (``cluster.bandwidth``).
+
+        ::
+
+            In [3]: %axon_bench all_reduce --sizes 1K:256M
+        """
+        args = parse_argstring(self.axon_bench, line)
+        try:
+            report = self._require_cluster().bandwidth(
+                args.collectives or None, args.sizes, iters=args.iters, warmup=args.warmup
+            )
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        from axon_nb.widgets.frontend import in_notebook
+
+        if in_notebook():
+            from IPython.display import display
+
+            display(report)
+        else:
+            print(report)
+
     @line_magic
     def axon_dashboard(self, line: str) -> None:
         """Show the live dashboard of the latest ``cluster.train`` run (e.g. ``block=False``).

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from equivalence import check_equal
 from models import Stream, make_data, make_mlp, mse
 
@@ -75,3 +76,17 @@ def test_loader_workers_give_the_same_run(cluster: axon_nb.Cluster) -> None:
 def test_bad_loader_options_are_refused(loader: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         axon_nb.train_local(**ARGS, data=make_data, loader=loader)
+
+
+class _Table(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.full((8,), i / 64)
+        return x, x[:4] * 2
+
+
+def test_a_dataset_class_is_a_factory_like_any_callable() -> None:
+    result = axon_nb.train_local(**{**ARGS, "steps": 3}, data=_Table)  # built where it trains
+    assert result.step == 3

@@ -196,6 +196,21 @@ def test_axon_status_and_axon_dashboard_show_the_ranks_and_the_latest_run(shell,
     assert widget.value.count("<tr>") == 3 and "shown @ step 3" in widget.value
 
 
+def test_axon_bench_prints_nccl_tests_figures_and_refuses_bad_input(shell, capsys) -> None:
+    capsys.readouterr()
+    shell.run_line_magic("axon_bench", "all_reduce --sizes 1K:4K --iters 2 --warmup 1")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["collective", "axis", "ranks", "size", "time", "algbw", "busbw"]
+    assert [line.split()[3] for line in lines[1:]] == ["1K", "2K", "4K"]
+    assert _cluster(shell).bandwidth_results is not None
+    with pytest.raises(UsageError, match=r"unknown collective\(s\) \['all_sum'\]"):
+        shell.run_line_magic("axon_bench", "all_sum")
+    with pytest.raises(UsageError, match="sizes must be between 4 bytes and 8G"):
+        shell.run_line_magic("axon_bench", "all_reduce --sizes 1K:16G")
+    with pytest.raises(UsageError, match="cannot read size 'lots'"):
+        shell.run_line_magic("axon_bench", "all_reduce --sizes 1K:lots")
+
+
 def test_status_restart_and_stop(shell, capsys) -> None:
     old = [r["pid"] for r in _cluster(shell).ranks]
     shell.run_line_magic("axon_cluster", "--status")

@@ -47,9 +47,9 @@ def test_batches_come_through_in_order_on_the_device() -> None:
     assert list(prefetched(iter([]), torch.device("cpu"))) == []
 
 
-def _factory_kwargs(optimizer: object, device: str) -> dict[str, object]:
+def _factory_kwargs(optimizer: object, device: str, **more: object) -> dict[str, object]:
     spec = make_spec(
-        DDP, model=make_mlp, data=make_data, optimizer=optimizer, steps=1, batch_size=8
+        DDP, model=make_mlp, data=make_data, optimizer=optimizer, steps=1, batch_size=8, **more
     )
     return optimizer_factory(spec, torch.device(device)).kwargs
 
@@ -61,6 +61,7 @@ def test_adam_and_adamw_are_fused_on_gpus_unless_an_implementation_is_chosen() -
     assert _factory_kwargs(("adamw", {"fused": False}), "cuda") == {"fused": False}
     assert _factory_kwargs("sgd", "cuda") == {}
     assert _factory_kwargs("adamw", "cpu") == {}
+    assert _factory_kwargs("adamw", "cuda", mixed_precision="fp16") == {}  # the agreed scaler
 
 
 def test_nvml_figures_are_absent_where_there_is_no_gpu_and_shown_where_there_are() -> None:

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     import distributed
 
     from axon_nb.checkpoint import Checkpoint
+    from axon_nb.cluster.bandwidth import BandwidthReport
     from axon_nb.train import TrainHandle, TrainResult
+    from axon_nb.train.compare import Comparison
 
 
 SHUTDOWN_WAIT_S = 4.0
@@ -101,6 +103,8 @@ class Cluster:
         """One summary per rank (rank, host, pid, device, backend, ...), in rank order."""
         self._dask = DaskOnRanks()
         self._dask_rows: list[Any] = []
+        self.bandwidth_results: BandwidthReport | None = None
+        """The latest :meth:`bandwidth` figures (what the strategy advisor reads)."""
         self.last_run: TrainHandle | None = None
         """The latest ``train()`` call's handle (``%axon_dashboard`` shows its dashboard)."""
 
@@ -283,6 +287,27 @@ class Cluster:
         from axon_nb.train import train
 
         return train(self, *args, **kwargs)
+
+    def compare(self, strategies: list[Any], **kwargs: Any) -> Comparison:
+        """Train each strategy a few steps on these ranks and show them side by side:
+        :func:`axon_nb.train.compare.compare` (same arguments). Example::
+
+            cluster.compare([DDP(), ZeRO(stage=2), FSDP()], model=make_model, data=ds,
+                            batch_size=32, steps=20)
+        """
+        from axon_nb.train.compare import compare
+
+        return compare(self, strategies, **kwargs)
+
+    def bandwidth(self, *args: Any, **kwargs: Any) -> BandwidthReport:
+        """Collective bandwidth and latency on these ranks, as nccl-tests measures them:
+        :func:`axon_nb.cluster.bandwidth.bandwidth` (same arguments). Example::
+
+            cluster.bandwidth("all_reduce", sizes="1M:64M")   # a table and a plot
+        """
+        from axon_nb.cluster.bandwidth import bandwidth
+
+        return bandwidth(self, *args, **kwargs)
 
     def save(self, *args: Any, **kwargs: Any) -> Checkpoint:
         """Save a run: :func:`axon_nb.checkpoint.save` on this cluster (same arguments).

@@ -139,6 +139,29 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LocalSGDConfig:
+    """Post-local SGD on DDP: gradients all-reduced for ``warmup_steps``, then each rank
+    steps on its own gradients and the parameters are averaged every ``period`` steps."""
+
+    period: int = 4
+    """Steps between parameter averages (1: every step)."""
+    warmup_steps: int = 0
+    """Steps of ordinary DDP (gradients all-reduced) before local steps start."""
+
+    def problems(self) -> list[str]:
+        errors = []
+        if not positive(self.period):
+            errors.append(f"period must be an integer >= 1 (steps), got {self.period!r}")
+        if (
+            not isinstance(self.warmup_steps, int)
+            or isinstance(self.warmup_steps, bool)
+            or self.warmup_steps < 0
+        ):
+            errors.append(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        return errors
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """Everything ``parallelize`` applies besides the degrees (see ``parallelize.py``)."""
 
@@ -156,6 +179,8 @@ class ParallelConfig:
     """Options of the pipeline (used when ``pp > 1``)."""
     activation_checkpointing: int = 0
     """Recompute every n-th block's activations in backward; 0: off."""
+    local_sgd: LocalSGDConfig | None = None
+    """With ``data_parallel="ddp"``: post-local SGD instead of an all-reduce every step."""
 
 
 def _number(value: Any) -> bool:

@@ -8,13 +8,20 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from axon_nb.parallel.config import DDPConfig
+from axon_nb.parallel.config import DDPConfig, LocalSGDConfig
 
 
 def apply_ddp(
-    model: nn.Module, group: Any, device: torch.device, config: DDPConfig
+    model: nn.Module,
+    group: Any,
+    device: torch.device,
+    config: DDPConfig,
+    local_sgd: LocalSGDConfig | None = None,
 ) -> DistributedDataParallel:
-    """Wrap ``model`` in DDP over ``group`` (the data-parallel ranks) with ``config``'s hook.
+    """Wrap ``model`` in DDP over ``group`` (the data-parallel ranks) with ``config``'s hook,
+    or with ``local_sgd``: PyTorch's post-local SGD hook, which all-reduces gradients for the
+    warm-up steps and none after (the optimizer then averages parameters, see
+    :func:`local_sgd_optimizer`).
 
     The hook is always a Python one, even for plain fp32: its all-reduce goes through
     ``torch.distributed.all_reduce``, where the metrics probe measures bytes and time.
@@ -27,9 +34,34 @@ def apply_ddp(
         find_unused_parameters=config.find_unused_parameters,
         static_graph=config.static_graph,
     )
+    if local_sgd is not None:
+        from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local
+
+        state = local.PostLocalSGDState(
+            process_group=group,
+            subgroup=None,
+            start_localSGD_iter=local_sgd.warmup_steps,
+            post_local_gradient_allreduce=False,  # local steps: no gradient all-reduce at all
+        )
+        ddp.register_comm_hook(state, local.post_localSGD_hook)
+        return ddp
     state, hook = _hook(config, group, backend=torch.distributed.get_backend(group))
     ddp.register_comm_hook(state, hook)
     return ddp
+
+
+def local_sgd_optimizer(
+    optimizer: torch.optim.Optimizer, group: Any, config: LocalSGDConfig
+) -> torch.optim.Optimizer:
+    """``optimizer`` stepping on local gradients, with parameters averaged over ``group``
+    every ``period`` steps after the warm-up (PyTorch's ``PostLocalSGDOptimizer``)."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    averager = PeriodicModelAverager(
+        period=config.period, warmup_steps=config.warmup_steps, process_group=group
+    )
+    return PostLocalSGDOptimizer(optim=optimizer, averager=averager)
 
 
 def _hook(config: DDPConfig, group: Any, backend: str) -> tuple[Any, Any]:

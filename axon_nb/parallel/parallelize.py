@@ -38,7 +38,7 @@ from axon_nb.parallel.activation_checkpoint import (
 )
 from axon_nb.parallel.compile import apply_compile
 from axon_nb.parallel.config import ParallelConfig, PipelineConfig, TensorConfig
-from axon_nb.parallel.ddp import apply_ddp
+from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
 from axon_nb.parallel.dims import ParallelDims
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
@@ -103,7 +103,8 @@ def _data_parallel(
     kind = config.data_parallel
     if kind in ("ddp", "zero1"):
         assert config.ddp is not None
-        return apply_ddp(part, dp_group, device, config.ddp)
+        local_sgd = config.local_sgd if kind == "ddp" else None
+        return apply_ddp(part, dp_group, device, config.ddp, local_sgd)
     if kind == "zero2":
         return GradShardedModel(part, dp_group, bucket_cap_mb=config.bucket_cap_mb)
     if kind == "fsdp":
@@ -168,7 +169,10 @@ class ParallelModel:
             return zero1.build_optimizer(
                 self.model.parameters(), factory.cls, factory.kwargs, self.dp_group
             )
-        return factory(self.model.parameters())
+        optimizer = factory(self.model.parameters())
+        if self.config.local_sgd is not None and self.data_parallel == "ddp":
+            return local_sgd_optimizer(optimizer, self.dp_group, self.config.local_sgd)
+        return optimizer
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the norm of the whole model's gradients, wherever their pieces are."""

@@ -209,12 +209,15 @@ def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> Batches
 def optimizer_factory(spec: TrainSpec, device: torch.device) -> OptimizerFactory:
     """The run's optimizer: a named ``torch.optim`` class with its settings, or the user's
     callable. On a GPU, Adam and AdamW take PyTorch's fused kernel unless the settings choose
-    an implementation (``fused`` or ``foreach``)."""
+    an implementation (``fused`` or ``foreach``) or the run scales fp16 losses."""
     if callable(spec.optimizer):
         return OptimizerFactory(make=spec.optimizer)
     name, kwargs = spec.optimizer
     kwargs = dict(kwargs)
-    if device.type == "cuda" and name in FUSED and not {"fused", "foreach"} & kwargs.keys():
+    # (not with fp16: the agreed loss scaler unscales and votes on infs before the step,
+    # which the fused kernels' own scaling path does not expect)
+    chosen = {"fused", "foreach"} & kwargs.keys()
+    if device.type == "cuda" and name in FUSED and not chosen and spec.mixed_precision != "fp16":
         kwargs["fused"] = True
     return OptimizerFactory(getattr(torch.optim, OPTIMIZERS[name]), kwargs)
 

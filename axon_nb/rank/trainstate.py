@@ -69,6 +69,16 @@ def put(state: TrainState) -> None:
     _STATES[state.name] = state
 
 
+def drop(name: str) -> None:
+    """Forget the run ``name`` (its model, optimizer and data go with it); no error if absent."""
+    _STATES.pop(name, None)
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None:
+        shell.user_ns.pop(name, None)
+
+
 @dataclass(kw_only=True)
 class LRShape:
     """Learning-rate factor per step: linear warm-up, then constant, linear or cosine to 0."""

@@ -9,6 +9,7 @@ from axon_nb.strategies.base import SingleDevice, Strategy
 from axon_nb.strategies.ddp import DDP
 from axon_nb.strategies.fsdp import FSDP
 from axon_nb.strategies.hybrid import Hybrid
+from axon_nb.strategies.local_sgd import LocalSGD
 from axon_nb.strategies.pipeline import Pipeline
 from axon_nb.strategies.tensor import TensorParallel
 from axon_nb.strategies.zero import ZeRO
@@ -20,6 +21,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "pipeline": Pipeline,
     "tensor": TensorParallel,
     "hybrid": Hybrid,
+    "local_sgd": LocalSGD,
     "single_device": SingleDevice,
 }
 """Strategies by name, for ``strategy="ddp"``."""
@@ -29,6 +31,7 @@ __all__ = [
     "FSDP",
     "STRATEGIES",
     "Hybrid",
+    "LocalSGD",
     "Pipeline",
     "SingleDevice",
     "Strategy",

@@ -1,0 +1,124 @@
+"""``cluster.compare``: several strategies trained a few steps each on the live ranks, side by
+side: samples/s, peak memory per rank, communication per step, time in collectives, loss.
+
+Each candidate trains the same model and data from the same seed under a name of its own,
+which is dropped afterwards so the next one has the memory. A candidate that cannot run
+(its layout does not fit the world, a rank raises, runs out of memory or dies) gets the reason
+in its row, and the others still run (a dead rank's cluster is restarted first).
+
+Example::
+
+    cluster.compare([DDP(), ZeRO(stage=2), FSDP()], model=make_model, data=ds, steps=20,
+                    batch_size=32)
+"""
+
+from __future__ import annotations
+
+import html
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from axon_nb.errors import ClusterBrokenError, RankDiedError, RankError
+from axon_nb.strategies import DDP, resolve_strategy
+
+if TYPE_CHECKING:
+    from axon_nb.cluster import Cluster
+
+NAME = "_axon_compare"
+"""The run name each candidate trains under (dropped after it)."""
+
+
+@dataclass
+class Comparison:
+    """One row per candidate: ``strategy``, ``status`` (``ok`` or why not), ``samples_per_s``,
+    ``peak_bytes`` (the largest rank's), ``comm_bytes_per_step`` and ``comm_time_share`` (of
+    the step time, rank 0), ``loss`` (the last); a table in the notebook and as text."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [HEAD, *(_cells(r) for r in self.rows)]
+        widths = [max(len(line[i]) for line in lines) for i in range(len(HEAD))]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+                         for line in lines)  # fmt: skip
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in HEAD)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>"
+            for r in self.rows
+        )
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+HEAD = ("strategy", "samples/s", "peak memory", "comm/step", "comm time", "loss", "status")
+
+
+def _cells(r: dict[str, Any]) -> tuple[str, ...]:
+    if r["status"] != "ok":
+        return (r["strategy"], "", "", "", "", "", r["status"])
+    return (
+        r["strategy"], f"{r['samples_per_s']:,.0f}", f"{r['peak_bytes'] / 2**20:,.1f} MiB",
+        f"{r['comm_bytes_per_step'] / 2**20:,.2f} MiB", f"{100 * r['comm_time_share']:.0f}%",
+        f"{r['loss']:.4f}", "ok",
+    )  # fmt: skip
+
+
+def compare(
+    cluster: Cluster, strategies: list[Any], *, steps: int = 10, warmup: int = 2, **train: Any
+) -> Comparison:
+    """Train each of ``strategies`` for ``steps`` steps with the other ``train`` arguments
+    (model, data, batch_size, ...); figures leave out the first ``warmup`` steps."""
+    from axon_nb.train.on_cluster import start_run
+    from axon_nb.train.spec import check_world, make_spec
+
+    if not strategies:
+        raise ValueError("compare needs a list of strategies, e.g. [DDP(), FSDP()]")
+    if not isinstance(warmup, int) or not 0 <= warmup < steps:
+        raise ValueError(f"warmup must be an integer in 0..steps-1, got {warmup!r}")
+    for banned in ("strategy", "name", "resume", "block", "max_restarts", "checkpoint_dir"):
+        if banned in train:
+            raise ValueError(f"compare sets {banned}= itself; leave it out")
+    rows = []
+    for candidate in strategies:
+        strategy = resolve_strategy(candidate)
+        row: dict[str, Any] = {"strategy": strategy.describe()}
+        try:
+            spec = make_spec(DDP, **train, strategy=strategy, steps=steps, name=NAME)
+            check_world(spec, len(cluster.targets()), cluster.ranks_per_host)
+            result = start_run(cluster, spec, show=False).wait()
+            row.update(_figures(result, warmup), status="ok")
+        except (ValueError, RankError) as e:
+            row["status"] = f"{type(e).__name__}: {e}".splitlines()[0]
+        except (RankDiedError, ClusterBrokenError) as e:
+            row["status"] = f"{type(e).__name__}: {e}".splitlines()[0]
+            cluster.restart()  # the next candidate gets a whole world
+        finally:
+            if cluster.running:
+                cluster.run(_drop, NAME, stream=False)
+        rows.append(row)
+    return Comparison(rows)
+
+
+def _figures(result: Any, warmup: int) -> dict[str, Any]:
+    measured = result.history[warmup:]
+    step_time = statistics.median(h["step_time_s"] for h in measured)
+    comm_time = statistics.median(h["per_rank"]["comm_time_s"][0] for h in measured)
+    return {
+        "samples_per_s": statistics.median(h["samples_per_s"] for h in measured),
+        "peak_bytes": max(int(m.get("peak_bytes", 0)) for m in result.memory),
+        "comm_bytes_per_step": statistics.mean(h["per_rank"]["comm_bytes"][0] for h in measured),
+        "comm_time_share": min(1.0, comm_time / step_time) if step_time else 0.0,
+        "loss": result.losses[-1],
+    }
+
+
+def _drop(name: str) -> None:
+    """(On a rank) forget a candidate's run."""
+    import gc
+
+    from axon_nb.rank import trainstate
+
+    trainstate.drop(name)
+    gc.collect()

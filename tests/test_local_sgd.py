@@ -1,0 +1,60 @@
+"""``LocalSGD``: post-local SGD equals DDP when it averages every step (plain SGD), and
+all-reduces ``period`` times less often (counted in bytes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from equivalence import check_equal
+from models import make_data, make_mlp, mse
+
+import axon_nb
+from axon_nb import DDP, LocalSGD
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+ARGS: dict[str, Any] = dict(
+    model=make_mlp, data=make_data, loss=mse, steps=12, batch_size=32,
+    optimizer=("sgd", {"lr": 0.1}),
+)  # fmt: skip
+AGREEMENT_BYTES = 4 * 4
+"""The loop's own all-reduce per step (loss and three flags)."""
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    with axon_nb.Cluster(n=2, timeout=120) as c:
+        yield c
+
+
+def _model_bytes(result: axon_nb.TrainResult) -> int:
+    """All-reduce bytes of rank 0 beyond the loop's own agreement."""
+    total = result.ranks[0]["comm_totals"]["all_reduce"]["bytes"]
+    return int(total) - AGREEMENT_BYTES * result.steps
+
+
+def test_averaging_every_step_is_ddp(cluster: axon_nb.Cluster) -> None:
+    ref = axon_nb.train_local(**ARGS)
+    check_equal(cluster, ref, {**ARGS, "strategy": LocalSGD(period=1)}, loss_tol=1e-5,
+                param_tol=1e-5)  # fmt: skip
+
+
+def test_period_k_all_reduces_k_times_less(cluster: axon_nb.Cluster) -> None:
+    params = sum(p.numel() for p in make_mlp().parameters())
+    ddp = _model_bytes(cluster.train(**ARGS, strategy=DDP()))
+    local = _model_bytes(cluster.train(**ARGS, strategy=LocalSGD(period=4)))
+    assert ddp == 4 * params * ARGS["steps"]  # every step, every gradient
+    assert local == 4 * params * ARGS["steps"] // 4  # every 4th step, every parameter
+    warm = cluster.train(**ARGS, strategy=LocalSGD(period=4, warmup_steps=4))
+    ddp_run = cluster.train(**ARGS, strategy=DDP())
+    assert warm.losses[:5] == pytest.approx(ddp_run.losses[:5], abs=1e-6)  # DDP while warm
+
+
+def test_local_sgd_options_are_checked() -> None:
+    with pytest.raises(ValueError, match="period must be an integer >= 1"):
+        LocalSGD(period=0)
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 0"):
+        LocalSGD(warmup_steps=-1)
+    assert axon_nb.strategies.resolve_strategy("local_sgd") == LocalSGD()
