@@ -1,8 +1,8 @@
 """``cluster.bandwidth()`` and ``%axon_bench``: nccl-tests-style figures, shown and kept.
 
-The ranks time each collective (``axon_nb.rank.bandwidth``); the kernel keeps the results on
-the cluster (``cluster.bandwidth_results``, which the strategy advisor reads) and shows them
-as a table with a plot of bus bandwidth against size.
+The ranks time each collective (``axon_nb.rank.collective_timing``); the kernel keeps the
+results on the cluster (``cluster.bandwidth_results``, for the strategy advisor to read) and
+shows them as a table with a plot of bus bandwidth against size.
 
 Example::
 
@@ -20,7 +20,7 @@ from typing import Any
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
                "send_recv")  # fmt: skip
-"""What can be measured (the same names as ``axon_nb.rank.bandwidth``)."""
+"""What can be measured (the same names as ``axon_nb.rank.collective_timing``)."""
 MIN_BYTES, MAX_BYTES = 4, 2**33
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 
@@ -210,7 +210,8 @@ def bandwidth(
 
 
 def _measure(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-    """(On a rank) :func:`axon_nb.rank.bandwidth.measure`, imported there (it needs torch)."""
-    from axon_nb.rank.bandwidth import measure
+    """(On a rank) :func:`axon_nb.rank.collective_timing.measure`, imported there (it needs
+    torch)."""
+    from axon_nb.rank.collective_timing import measure
 
     return measure(*args, **kwargs)
