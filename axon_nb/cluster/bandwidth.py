@@ -1,7 +1,7 @@
 """``cluster.bandwidth()`` and ``%axon_bench``: nccl-tests-style figures, shown and kept.
 
 The ranks time each collective (``axon_nb.rank.collective_timing``); the kernel keeps the
-results on the cluster (``cluster.bandwidth_results``, for the strategy advisor to read) and
+results on the cluster (``cluster.bandwidth_results``) and
 shows them as a table with a plot of bus bandwidth against size.
 
 Example::

@@ -104,7 +104,7 @@ class Cluster:
         self._dask = DaskOnRanks()
         self._dask_rows: list[Any] = []
         self.bandwidth_results: BandwidthReport | None = None
-        """The latest :meth:`bandwidth` figures (what the strategy advisor reads)."""
+        """The latest :meth:`bandwidth` figures."""
         self.last_run: TrainHandle | None = None
         """The latest ``train()`` call's handle (``%axon_dashboard`` shows its dashboard)."""
 
