@@ -39,6 +39,7 @@ def write_pieces(name: str, directory: str) -> dict[str, Any]:
     """
     state = checkpoint_io.run_named(name, "rescue")
     rank = runtime.context().rank
+    _resharded(state.parallel.root)
     optimizer, why_not = _optimizer_pieces(state)
     blob = {
         "rank": rank,
@@ -98,6 +99,17 @@ def assemble(name: str, target: SaveTarget, dead: list[int]) -> dict[str, Any]:
     )
     checkpoint_io.complete(meta, target.partial, target.path, private=target.private)
     return {"step": state.step, "optimizer_missing": why_not}
+
+
+def _resharded(root: torch.nn.Module) -> None:
+    """Put FSDP2 modules back in their sharded state: a survivor stopped inside a forward or
+    backward holds gathered parameters, which are not the optimizer's (and may be partly
+    filled). Resharding needs no collective; the local shards are intact."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in root.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _model_entries(state: TrainState) -> dict[str, Any]:
