@@ -55,6 +55,8 @@ bench: install
 	$(BIN)/python benchmarks/dashboard_overhead.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/cell_latency.py
+	$(BIN)/python benchmarks/data_loading.py
+	$(BIN)/python benchmarks/bandwidth.py
 
 clean:
 	rm -rf $(VENV) build
