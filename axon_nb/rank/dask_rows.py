@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,18 @@ import numpy as np
 
 if TYPE_CHECKING:
     from axon_nb.rank.dask_shard import PiecesDataset
+
+
+def is_dask_data(data: Any) -> bool:
+    """A dask collection, or a pair of dask arrays ``(inputs, targets)``. Never imports dask:
+    nothing made a collection without importing it first."""
+    if "dask" not in sys.modules:
+        return False
+    import dask
+
+    if isinstance(data, tuple) and len(data) == 2:
+        return all(dask.is_dask_collection(d) for d in data)
+    return bool(dask.is_dask_collection(data))
 
 
 @dataclass(frozen=True, slots=True)

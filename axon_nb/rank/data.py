@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-from axon_nb.rank.dask_rows import DaskShards
+from axon_nb.rank.dask_rows import DaskShards, is_dask_data
 from axon_nb.rank.dask_shard import PiecesDataset
 from axon_nb.rank.prefetch import prefetched
 
@@ -21,7 +20,7 @@ def resolve_dataset(data: Any, rank: int = 0) -> Dataset[Any]:
         return data.dataset(rank)
     factory = isinstance(data, type) or not hasattr(data, "__getitem__")  # a class is one too
     dataset = data() if callable(data) and factory else data
-    if is_dask_collection(dataset):
+    if is_dask_data(dataset):
         raise TypeError(
             "data= returned a dask collection on the ranks: pass the collection itself "
             "(data=df, with columns= for a DataFrame), so its partitions are laid out over "
@@ -102,14 +101,6 @@ class StepBatches:
             for _ in range(self.steps_per_epoch - offset):
                 yield [next(batches) for _ in range(self.grad_accum)]
                 step += 1
-
-
-def is_dask_collection(data: Any) -> bool:
-    if "dask" not in sys.modules:  # nothing made one without importing dask
-        return False
-    import dask
-
-    return bool(dask.is_dask_collection(data))
 
 
 class _Indices(Sampler[int]):

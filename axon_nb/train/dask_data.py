@@ -23,17 +23,6 @@ if TYPE_CHECKING:
     from axon_nb.rank.dask_shard import PiecesDataset
 
 
-def is_dask_data(data: Any) -> bool:
-    """A dask collection, or a pair of dask arrays ``(inputs, targets)``."""
-    try:
-        import dask
-    except ImportError:
-        return False
-    if isinstance(data, tuple) and len(data) == 2:
-        return all(dask.is_dask_collection(d) for d in data)
-    return bool(dask.is_dask_collection(data))
-
-
 def partitions(data: Any, columns: tuple[Any, Any] | None) -> list[Any]:
     """One ``dask.delayed`` per partition, computing to ``(inputs, targets)`` arrays; raises
     ``ValueError`` for columns that do not exist or a collection of another kind."""

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 import cloudpickle
 
 from axon_nb.rank import entry
+from axon_nb.rank.dask_rows import is_dask_data
 from axon_nb.strategies import DDP
-from axon_nb.train.dask_data import is_dask_data, partitions, place
+from axon_nb.train.dask_data import partitions, place
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.recovery import train_with_restarts
 from axon_nb.train.result import TrainResult
