@@ -299,6 +299,20 @@ class Cluster:
 
         return compare(self, strategies, **kwargs)
 
+    def profile(self, model: Any, data: Any, loss: Any = None, *, samples: int = 4) -> Any:
+        """Measure ``model`` on rank 0 (one forward and backward of ``samples`` items of
+        ``data``): the :class:`~axon_nb.estimate.ModelProfile` that
+        :func:`axon_nb.estimate.predict` and :func:`axon_nb.advise` work from. Example::
+
+            profile = cluster.profile(model=make_gpt, data=ds, loss=lm_loss)
+            axon_nb.estimate.predict(profile, FSDP(), world_size=8, batch_size=64)
+        """
+        from axon_nb.estimate import ModelProfile
+
+        [measured] = self.run(_profile_on_rank, model, data, loss, samples, ranks=[0],
+                              stream=False)  # fmt: skip
+        return ModelProfile.from_dict(measured)
+
     def bandwidth(self, *args: Any, **kwargs: Any) -> BandwidthReport:
         """Collective bandwidth and latency on these ranks, as nccl-tests measures them:
         :func:`axon_nb.cluster.bandwidth.bandwidth` (same arguments). Example::
@@ -575,3 +589,10 @@ class Cluster:
         return self.wait(
             ar, targets, stream=True, timeout=self.options.start_timeout, watch_hangs=False
         )
+
+
+def _profile_on_rank(model: Any, data: Any, loss: Any, samples: int) -> dict[str, Any]:
+    """(On a rank) ``axon_nb.rank.model_probe.profile_from``."""
+    from axon_nb.rank.model_probe import profile_from
+
+    return profile_from(model, data, loss, samples)

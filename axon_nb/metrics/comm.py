@@ -1,8 +1,10 @@
 """Measure the collectives a rank really issues: kind, payload bytes and time.
 
 While a :class:`CommMeter` is installed, the ``torch.distributed`` collective functions are
-wrapped. PyTorch's DDP comm hooks (and FSDP2's collectives) call them through the
-``torch.distributed`` module, so their traffic is counted as it happens, not from a formula.
+wrapped, and so are the functional collectives of ``torch.distributed._functional_collectives``
+that DTensor (tensor parallelism, loss parallelism) redistributes with. PyTorch's DDP comm
+hooks, FSDP2, ZeroRedundancyOptimizer, pipelining and DTensor all call them through their
+modules, so their traffic is counted as it happens, not from a formula.
 
 What the figures mean:
 
@@ -10,7 +12,9 @@ What the figures mean:
   total); for ``all_gather`` the input shard, for ``recv`` the receive buffer.
 - ``time_s``: wall time from the call until its result is ready. For ``async_op=True`` calls
   (DDP's buckets) that is until the work's future completes, so it includes time queued
-  behind earlier buckets and overlaps backward compute.
+  behind earlier buckets and overlaps backward compute. Functional collectives return before
+  their result is waited for: their time is the launch only.
+- Code compiled by ``torch.compile`` calls the collective ops directly: not counted.
 """
 
 from __future__ import annotations
@@ -58,6 +62,18 @@ PAYLOAD: dict[str, str] = {
 """The parameter of each wrapped function that holds this rank's payload, found by binding
 the call to the function's signature, so positional and keyword calls count alike."""
 
+FUNCTIONAL: dict[str, str] = {
+    "all_reduce": "all_reduce",
+    "all_gather_single": "all_gather",
+    "all_gather_tensor": "all_gather",
+    "reduce_scatter_single": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+"""Wrapped functional collectives (``torch.distributed._functional_collectives``) -> kind;
+their payload is their first parameter, ``self``."""
+
 
 class CommMeter:
     """Accumulates per-kind bytes, time and call count until :meth:`take` is called."""
@@ -91,24 +107,31 @@ class CommMeter:
     def installed(self) -> Iterator[CommMeter]:
         """Wrap the ``torch.distributed`` collectives for the duration of the block."""
         import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
         import torch.distributed.distributed_c10d as c10d
 
-        saved = {name: getattr(dist, name) for name in KINDS if hasattr(dist, name)}
-        for name, fn in saved.items():
-            wrapped = self._wrap(name, fn)
-            setattr(dist, name, wrapped)
-            if getattr(c10d, name, None) is fn:
-                setattr(c10d, name, wrapped)
+        patched: list[tuple[Any, str, Any]] = []  # (module, name, original)
+        for name in KINDS:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            wrapped = self._wrap(KINDS[name], Payload(name, fn), fn)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is fn:
+                    patched.append((module, name, fn))
+                    setattr(module, name, wrapped)
+        for name, kind in FUNCTIONAL.items():
+            fn = getattr(funcol, name, None)
+            if fn is not None:
+                patched.append((funcol, name, fn))
+                setattr(funcol, name, self._wrap(kind, Payload(name, fn, "self"), fn))
         try:
             yield self
         finally:
-            for name, fn in saved.items():
-                setattr(dist, name, fn)
-                if hasattr(c10d, name):
-                    setattr(c10d, name, fn)
+            for module, name, fn in patched:
+                setattr(module, name, fn)
 
-    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        kind, payload = KINDS[name], Payload(name, fn)
+    def _wrap(self, kind: str, payload: Payload, fn: Callable[..., Any]) -> Callable[..., Any]:
 
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
@@ -154,13 +177,15 @@ class Payload:
                                                                                  "input": x})
     """
 
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, name: str, fn: Callable[..., Any], parameter: str | None = None) -> None:
         try:
             self.signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):  # a builtin without one: positions of the default API
             self.signature = None
         params = self.signature.parameters if self.signature is not None else {}
-        self.parameter = PAYLOAD.get(name) or ("tensor" if "tensor" in params else None)
+        self.parameter = (
+            parameter or PAYLOAD.get(name) or ("tensor" if "tensor" in params else None)
+        )
         self.position = _DEFAULT_POSITIONS.get(self.parameter or "", 0)
 
     def nbytes(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -177,7 +202,7 @@ class Payload:
         return _nbytes(args[self.position]) if len(args) > self.position else 0
 
 
-_DEFAULT_POSITIONS = {"tensor": 0, "input_tensor": 1, "input": 1, "input_list": 1}
+_DEFAULT_POSITIONS = {"self": 0, "tensor": 0, "input_tensor": 1, "input": 1, "input_list": 1}
 
 
 def _nbytes(value: Any) -> int:

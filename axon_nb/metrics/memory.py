@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +68,24 @@ def snapshot(
         figures["peak_bytes"] = figures["cuda_peak"]
         figures.update(utilization(device))
     return figures
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this rank holds between steps: model state plus the gradient buckets of every
+    ``DistributedDataParallel`` in ``model`` (allocated once, when DDP wraps the model)."""
+    return sum(model_state(model, optimizer).values()) + ddp_bucket_bytes(model)
+
+
+def ddp_bucket_bytes(model: nn.Module) -> int:
+    """Bytes of the gradient buckets DDP's reducers hold (its logging data lists them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, DistributedDataParallel):
+            sizes = str(module._get_ddp_logging_data().get("bucket_sizes", ""))
+            total += sum(int(size) for size in re.findall(r"\d+", sizes))
+    return total
 
 
 def model_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

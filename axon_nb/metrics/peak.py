@@ -4,10 +4,11 @@
 ``PeakTracker`` is a ``TorchDispatchMode``: every tensor an operator returns while it is active
 is looked at, and each storage seen for the first time is counted until it is freed (a
 finalizer on the storage object, which PyTorch keeps alive exactly as long as the storage).
-The loop tracks the first step of each ``train`` call, which includes creating the optimizer
-state, and reports ``peak_bytes``: model-state bytes at the step's start plus the most
-tracked bytes alive at once during it (activations, gradients, gathered FSDP parameters,
-communication buffers, optimizer temporaries).
+The loop tracks the first two steps of each ``train`` call (the first creates the optimizer
+state, the second is a steady one) and reports ``peak_bytes``: the larger of the two steps'
+held bytes at their start (``metrics.memory.held_bytes``: model state and DDP's gradient
+buckets) plus the most tracked bytes alive at once during the step (activations, gradients,
+gathered FSDP parameters, communication buffers, optimizer temporaries).
 
 Example::
 

@@ -11,7 +11,6 @@ stages' parameters; the rest of the model is moved to the meta device.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ from torch.distributed.pipelining import (
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
 from axon_nb.parallel.config import PipelineConfig
 from axon_nb.parallel.optim_state import by_index, by_name, single_group
+from axon_nb.parallel.stages import balanced_starts, check_starts
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:
@@ -42,53 +42,6 @@ def pipeline_layers(model: nn.Module) -> list[nn.Module]:
         f"Pipeline cuts an nn.Sequential, or a model with a pipeline_layers() method returning "
         f"its layers in forward order (axon_nb.models.GPT has one); got {type(model).__name__}"
     )
-
-
-def balanced_starts(sizes: Sequence[int], num_stages: int) -> list[int]:
-    """First layer of each stage: contiguous, non-empty stages whose largest parameter count
-    is as small as possible (layers without parameters count as 1)."""
-    n = len(sizes)
-    if num_stages > n:
-        raise ValueError(
-            f"{num_stages} pipeline stages need at least {num_stages} layers; the model has "
-            f"{n}. Use at most {n} stages (num_stages x virtual_stages)"
-        )
-    weights = [max(1, s) for s in sizes]
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    # cost[k][i]: the smallest possible largest stage when layers [0, i) form k stages.
-    inf = float("inf")
-    cost = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    cost[0][0] = 0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(cost[k - 1][j], prefix[i] - prefix[j])
-                if value < cost[k][i]:
-                    cost[k][i], cut[k][i] = value, j
-    starts, i = [], n
-    for k in range(num_stages, 0, -1):
-        i = cut[k][i]
-        starts.append(i)
-    return starts[::-1]
-
-
-def check_starts(starts: Sequence[int], num_layers: int, num_stages: int) -> list[int]:
-    """Validate user split points (first layer of every stage after the first)."""
-    full = [0, *starts]
-    if (
-        len(full) != num_stages
-        or any(b <= a for a, b in itertools.pairwise(full))
-        or (full[-1] >= num_layers)
-    ):
-        raise ValueError(
-            f"split_points must be {num_stages - 1} increasing layer indices between 1 and "
-            f"{num_layers - 1} (the first layer of each stage after the first), got "
-            f"{tuple(starts)}"
-        )
-    return full
 
 
 def plan_stages(

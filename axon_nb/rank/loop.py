@@ -280,7 +280,8 @@ class _Loop:
         self.loss_share = state.parallel.dims.loss_share(ctx.rank)
         """Weight of this rank's loss in the global mean; 0 on a pipeline's earlier stages."""
         self.peak_bytes: int | None = None
-        """CPU: peak tensor bytes of this call's first step (see metrics.peak)."""
+        """CPU: peak tensor bytes of this call's first two steps (see metrics.peak)."""
+        self._tracked_steps = 0
         self.started = time.monotonic()
         self._first_step = state.step
         self.reported_step = state.step
@@ -327,13 +328,15 @@ class _Loop:
         lr = state.optimizer.param_groups[0]["lr"]
         # torch.compile does not trace under the tracker's dispatch mode (and would then
         # leave the blocks uncompiled for good): compiled runs report no CPU peak.
-        track = self.peak_bytes is None and self.ctx.device.type == "cpu" and not spec.compile
+        track = self._tracked_steps < 2 and self.ctx.device.type == "cpu" and not spec.compile
         if track:
-            held = sum(memory.model_state(state.model, state.optimizer).values())
+            held = memory.held_bytes(state.model, state.optimizer)
         with PeakTracker() if track else contextlib.nullcontext() as tracker:
             loss, norm = self._update(microbatches)
         if tracker is not None:
-            self.peak_bytes = held + tracker.peak
+            # the first step creates the optimizer state; the second is a steady one
+            self._tracked_steps += 1
+            self.peak_bytes = max(self.peak_bytes or 0, held + tracker.peak)
         publish = last or self.publisher.due()
         if publish:  # before zero_grad, so gradients count
             self.memory = memory.snapshot(

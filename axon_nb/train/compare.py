@@ -1,5 +1,6 @@
 """``cluster.compare``: several strategies trained a few steps each on the live ranks, side by
-side: samples/s, peak memory per rank, communication per step, time in collectives, loss.
+side: samples/s, peak memory per rank, communication per step, time in collectives, loss,
+and beside them what ``axon_nb.estimate.predict`` said of each before it ran.
 
 Each candidate trains the same model and data from the same seed under a name of its own,
 which is dropped afterwards so the next one has the memory. A candidate that cannot run
@@ -32,8 +33,10 @@ NAME = "_axon_compare"
 @dataclass
 class Comparison:
     """One row per candidate: ``strategy``, ``status`` (``ok`` or why not), ``samples_per_s``,
-    ``peak_bytes`` (the largest rank's), ``comm_bytes_per_step`` and ``comm_time_share`` (of
-    the step time, rank 0), ``loss`` (the last); a table in the notebook and as text."""
+    ``peak_bytes`` (the largest rank's), ``comm_bytes_per_step`` (the busiest rank's) and
+    ``comm_time_share`` (of the step time, rank 0), ``loss`` (the last), and the predictions
+    ``predicted_peak_bytes`` and ``predicted_comm_bytes`` (None where the model could not be
+    profiled); a table in the notebook and as text."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -52,17 +55,23 @@ class Comparison:
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-HEAD = ("strategy", "samples/s", "peak memory", "comm/step", "comm time", "loss", "status")
+HEAD = ("strategy", "samples/s", "peak memory", "predicted", "comm/step", "predicted",
+        "comm time", "loss", "status")  # fmt: skip
 
 
 def _cells(r: dict[str, Any]) -> tuple[str, ...]:
+    predicted = (_mib(r.get("predicted_peak_bytes"), 1), _mib(r.get("predicted_comm_bytes"), 2))
     if r["status"] != "ok":
-        return (r["strategy"], "", "", "", "", "", r["status"])
+        return (r["strategy"], "", "", predicted[0], "", predicted[1], "", "", r["status"])
     return (
-        r["strategy"], f"{r['samples_per_s']:,.0f}", f"{r['peak_bytes'] / 2**20:,.1f} MiB",
-        f"{r['comm_bytes_per_step'] / 2**20:,.2f} MiB", f"{100 * r['comm_time_share']:.0f}%",
+        r["strategy"], f"{r['samples_per_s']:,.0f}", _mib(r["peak_bytes"], 1), predicted[0],
+        _mib(r["comm_bytes_per_step"], 2), predicted[1], f"{100 * r['comm_time_share']:.0f}%",
         f"{r['loss']:.4f}", "ok",
     )  # fmt: skip
+
+
+def _mib(value: float | None, digits: int) -> str:
+    return "" if value is None else f"{value / 2**20:,.{digits}f} MiB"
 
 
 def compare(
@@ -80,13 +89,16 @@ def compare(
     for banned in ("strategy", "name", "resume", "block", "max_restarts", "checkpoint_dir"):
         if banned in train:
             raise ValueError(f"compare sets {banned}= itself; leave it out")
+    world = len(cluster.targets())
+    profile = _profile(cluster, train)
     rows = []
     for candidate in strategies:
         strategy = resolve_strategy(candidate)
         row: dict[str, Any] = {"strategy": strategy.describe()}
+        row.update(_predicted(profile, strategy, world, cluster.ranks_per_host, train))
         try:
             spec = make_spec(DDP, **train, strategy=strategy, steps=steps, name=NAME)
-            check_world(spec, len(cluster.targets()), cluster.ranks_per_host)
+            check_world(spec, world, cluster.ranks_per_host)
             result = start_run(cluster, spec, show=False).wait()
             row.update(_figures(result, warmup), status="ok")
         except (ValueError, RankError) as e:
@@ -108,10 +120,41 @@ def _figures(result: Any, warmup: int) -> dict[str, Any]:
     return {
         "samples_per_s": statistics.median(h["samples_per_s"] for h in measured),
         "peak_bytes": max(int(m.get("peak_bytes", 0)) for m in result.memory),
-        "comm_bytes_per_step": statistics.mean(h["per_rank"]["comm_bytes"][0] for h in measured),
+        "comm_bytes_per_step": max(
+            statistics.mean(h["per_rank"]["comm_bytes"][rank] for h in measured)
+            for rank in range(len(measured[0]["per_rank"]["comm_bytes"]))
+        ),
         "comm_time_share": min(1.0, comm_time / step_time) if step_time else 0.0,
         "loss": result.losses[-1],
     }
+
+
+def _profile(cluster: Cluster, train: dict[str, Any]) -> Any:
+    """The model's profile (on rank 0), or None where it cannot be taken (a stream, a dask
+    collection, a model that does not build): the rows then have no predictions."""
+    try:
+        return cluster.profile(train.get("model"), train.get("data"), train.get("loss"))
+    except (RankError, TypeError, ValueError):
+        return None
+
+
+def _predicted(
+    profile: Any, strategy: Any, world: int, ranks_per_host: int, train: dict[str, Any]
+) -> dict[str, Any]:
+    from axon_nb.estimate import predict
+
+    if profile is None or "batch_size" not in train:
+        return {"predicted_peak_bytes": None, "predicted_comm_bytes": None}
+    try:
+        p = predict(
+            profile, strategy, world_size=world, batch_size=train["batch_size"],
+            ranks_per_host=ranks_per_host, grad_accum=train.get("grad_accum", 1),
+            optimizer=train.get("optimizer") or "adamw",
+            mixed_precision=train.get("mixed_precision"),
+        )  # fmt: skip
+    except ValueError:  # the row's own run says why it cannot run
+        return {"predicted_peak_bytes": None, "predicted_comm_bytes": None}
+    return {"predicted_peak_bytes": p.peak_bytes, "predicted_comm_bytes": p.comm_bytes}
 
 
 def _drop(name: str) -> None:

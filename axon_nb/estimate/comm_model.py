@@ -1,0 +1,120 @@
+"""Predicted communication of one rank per training step, by collective kind.
+
+Bytes are what the communication meter counts (``axon_nb.metrics.comm``): the payload this
+rank hands to each collective (an all-gather's input shard, a reduce-scatter's whole input,
+both ends of a send/recv). With ``P`` the parameters of this rank's layers, ``b`` bytes per
+element, ``s`` the shards, ``A`` a layer's activation bytes for this rank's samples:
+
+=============================  ==========================================================
+DDP, ZeRO-1                    all-reduce ``P b`` (half with an fp16/bf16 comm hook)
+ZeRO-1                         + broadcast ``P b`` (each rank's updated share to the rest)
+ZeRO-2                         reduce-scatter ``P b``, all-gather ``P b / s``
+FSDP / ZeRO-3                  all-gather ``P b / s`` in forward and again in backward
+                               (once without resharding after forward; in a pipeline,
+                               once per micro-batch and once more), reduce-scatter ``P b``;
+                               hybrid sharding all-reduces the ``P b / s`` shards across
+                               replicas
+tensor parallel                all-reduce each row-parallel output (forward) and each
+                               column-parallel input (backward)
+sequence parallel              reduce-scatter both of those; all-gather their sequence
+                               shards back (``A / tp``), and the stream entering and
+                               leaving the blocks
+pipeline                       send and receive each boundary activation and its gradient,
+                               per micro-batch
+LocalSGD (after warm-up)       all-reduce of ``P b`` every ``period`` steps, no gradients
+every step                     16 bytes: the loop's agreement on loss and stop
+=============================  ==========================================================
+
+Example::
+
+    predict_comm(profile, layout)   # {"all_reduce": 939536.0}
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from axon_nb.estimate.profile import ModelProfile
+from axon_nb.estimate.rank_layout import RankLayout
+
+AGREEMENT_BYTES = 16
+"""The training loop's per-step all-reduce (loss, stop flag; ``rank/agreement.py``)."""
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def predict_comm(
+    profile: ModelProfile, layout: RankLayout, *, local_sgd_step: int | None = None
+) -> dict[str, float]:
+    """Bytes per collective kind in one steady step on this rank (``local_sgd_step``: which
+    step, for LocalSGD's periodic averaging; by default the average over a period)."""
+    out: dict[str, float] = defaultdict(float)
+    out["all_reduce"] += AGREEMENT_BYTES
+    tp = layout.dims.tp
+    layers = [profile.layers[i] for i in layout.layers]
+    local = sum(layer.local_params(tp) for layer in layers)
+    b = profile.param_bytes
+    _data_parallel(out, layout, local, b, local_sgd_step)
+    if tp > 1:
+        _tensor_parallel(out, layout, layers)
+    if layout.dims.pp > 1:
+        _pipeline(out, profile, layout)
+    return {kind: value for kind, value in out.items() if value}
+
+
+def _data_parallel(
+    out: dict[str, float], layout: RankLayout, local: float, b: int, step: int | None
+) -> None:
+    kind, dp = layout.kind, layout.dims.dp
+    if kind in ("ddp", "zero1"):
+        sgd = layout.config.local_sgd
+        ddp = layout.config.ddp
+        hook = ddp.comm_hook if ddp is not None else None
+        grad_b = 2 if hook in ("fp16", "bf16") else b
+        if sgd is None or (step is not None and step < sgd.warmup_steps):
+            out["all_reduce"] += local * grad_b
+        elif step is None or step % sgd.period == 0:
+            out["all_reduce"] += local * b / (sgd.period if step is None else 1)
+        if kind == "zero1":
+            out["broadcast"] += local * b
+    elif kind == "zero2":
+        out["reduce_scatter"] += local * b
+        out["all_gather"] += local * b / dp
+    elif kind == "fsdp":
+        fsdp = layout.config.fsdp
+        assert fsdp is not None
+        shards = layout.dims.dp_shard
+        gather_b = DTYPE_BYTES.get(fsdp.param_dtype or "", b)
+        reduce_b = DTYPE_BYTES.get(fsdp.reduce_dtype or fsdp.param_dtype or "", b)
+        if shards > 1:
+            if layout.dims.pp > 1:
+                gathers = layout.microbatches + 1
+            else:
+                gathers = 2 if fsdp.reshard_after_forward else 1
+            out["all_gather"] += gathers * local * gather_b / shards
+            out["reduce_scatter"] += local * reduce_b
+        if layout.dims.dp_replicate > 1:
+            out["all_reduce"] += local * reduce_b / shards
+
+
+def _tensor_parallel(out: dict[str, float], layout: RankLayout, layers: list) -> None:
+    tp = layout.dims.tp
+    samples = layout.micro_samples * layout.microbatches
+    rowwise = sum(layer.rowwise_out_bytes for layer in layers) * samples
+    if not (layout.config.tensor and layout.config.tensor.sequence_parallel):
+        colwise = sum(layer.colwise_in_bytes for layer in layers) * samples
+        out["all_reduce"] += rowwise + colwise
+        return
+    groups = sum(layer.colwise_group_bytes for layer in layers) * samples
+    blocks = [layer for layer in layers if layer.block]
+    boundary = 2 * blocks[0].output_bytes * samples if blocks else 0.0
+    out["reduce_scatter"] += rowwise + groups
+    out["all_gather"] += (rowwise + groups + boundary) / tp
+
+
+def _pipeline(out: dict[str, float], profile: ModelProfile, layout: RankLayout) -> None:
+    per_micro = layout.micro_samples * layout.microbatches
+    for stage in layout.stages:
+        if stage[0] > 0:  # receives its input, sends its gradient back
+            out["send_recv"] += 2 * profile.layers[stage[0] - 1].output_bytes * per_micro
+        if stage[-1] < len(profile.layers) - 1:  # sends its output, receives its gradient
+            out["send_recv"] += 2 * profile.layers[stage[-1]].output_bytes * per_micro

@@ -1,0 +1,130 @@
+"""Predicted peak memory of one rank during a training step, by term.
+
+With ``P`` the parameters this rank's layers hold (tensor-parallel layers split by ``tp``),
+``b`` bytes per parameter, ``s`` the shards of its parameters and ``o`` of its optimizer
+state:
+
+=============  ==================================================================
+``params``     ``P b / s``
+``optimizer``  ``P x state bytes / o`` (Adam: two fp32 moments, 8 bytes; SGD: 4 or 0)
+``buckets``    DDP (and ZeRO-1's DDP): its gradient buckets, ``P b``, allocated once
+``rebuild``    DDP: ``P b`` more at the second step, when DDP rebuilds its buckets in
+               the order gradients arrived (the old ones go after); with activation
+               checkpointing ``2 P b``: the peak then comes late in backward, when the
+               gradients and their copies in the buckets are both whole
+``grads``      ``P b / s`` (FSDP: gradient shards; the unsharded ones are transient). In
+               a pipeline FSDP accumulates whole gradients over the micro-batches and
+               reduce-scatters after the last: ``P b``
+``activations``  saved activations of the rank's layers x the samples in flight (a
+               pipeline keeps several micro-batches); with activation checkpointing a
+               checkpointed block keeps its input only, and one block's activations are
+               rebuilt at a time in backward; tensor parallelism splits the measured
+               share of them; 16-bit compute halves them
+``backward``   the last layer's backward working set (activation gradients, the loss's
+               temporaries), on the rank that holds it
+``gathered``   FSDP: whole parameters of two units at once (the one running and the
+               prefetched next); without resharding after forward, all of them. A
+               pipeline stage is one FSDP unit (its layers are not in a ``ModuleList``):
+               ``P b`` gathered, and ``P b`` more for the reduce-scatter's copy of the
+               accumulated gradients
+=============  ==================================================================
+
+The peak is their sum: the terms are those alive at the start of backward, when the
+activations are largest. Example::
+
+    predict_memory(profile, layout, optimizer="adamw")["peak"]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from axon_nb.estimate.profile import LayerProfile, ModelProfile
+from axon_nb.estimate.rank_layout import RankLayout
+
+OPTIMIZER_STATE_BYTES = {
+    "adam": 8, "adamw": 8, "adamax": 8, "nadam": 8, "radam": 8,  # two moments
+    "adagrad": 4, "rmsprop": 4, "sgd": 0,  # one sum or average; SGD: none without momentum
+}  # fmt: skip
+"""Optimizer state bytes per fp32 parameter, by ``train``'s optimizer names."""
+HALF = {"bf16", "fp16"}
+
+
+def predict_memory(
+    profile: ModelProfile,
+    layout: RankLayout,
+    *,
+    optimizer: Any = "adamw",
+    mixed_precision: str | None = None,
+) -> dict[str, float]:
+    """Bytes of each term (see the module docstring) and their sum, ``peak``, for one rank.
+    ``optimizer`` as ``train`` takes it (a callable is counted as Adam)."""
+    tp, b = layout.dims.tp, profile.param_bytes
+    layers = [profile.layers[i] for i in layout.layers]
+    local = sum(layer.local_params(tp) for layer in layers)
+    fsdp = layout.config.fsdp if layout.kind == "fsdp" else None
+    compute = mixed_precision or (fsdp.param_dtype if fsdp is not None else None)
+    half = 0.5 if compute in HALF else 1.0
+    replicated = layout.kind in ("ddp", "zero1")
+    terms = {
+        "params": local * b / layout.param_shards,
+        "optimizer": local * state_bytes(optimizer) / layout.optimizer_shards,
+        "buckets": local * b if replicated else 0.0,
+        "rebuild": local * b * (2 if layout.config.activation_checkpointing else 1)
+        if replicated
+        else 0.0,
+        "grads": local * b / (layout.param_shards if layout.dims.pp == 1 else 1),
+        "activations": half * _activations(layers, layout),
+        "backward": (
+            half * profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
+        ),
+        "gathered": _gathered(layers, layout, tp, b if compute not in HALF else 2),
+    }
+    terms["peak"] = sum(terms.values())
+    return terms
+
+
+def state_bytes(optimizer: Any) -> int:
+    """Optimizer state bytes per parameter for ``optimizer`` (a name, ``(name, kwargs)`` or a
+    callable: counted as Adam)."""
+    if callable(optimizer):
+        return 8
+    name, kwargs = (optimizer, {}) if isinstance(optimizer, str) else optimizer
+    if name.lower() not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(
+            f"no optimizer-state size for optimizer {name!r}; use one of "
+            f"{', '.join(OPTIMIZER_STATE_BYTES)}"
+        )
+    extra = 4 if name.lower() in ("sgd", "rmsprop") and (kwargs or {}).get("momentum") else 0
+    return OPTIMIZER_STATE_BYTES[name.lower()] + extra
+
+
+def _activations(layers: list[LayerProfile], layout: RankLayout) -> float:
+    tp, every = layout.dims.tp, layout.config.activation_checkpointing
+    sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
+    per_sample, rebuilt, block_index = 0.0, 0.0, 0
+    previous_output = 0.0
+    for layer in layers:
+        saved = layer.local_saved(tp, sequence)
+        if layer.block and every and block_index % every == 0:
+            per_sample += previous_output  # the checkpointed block's input
+            rebuilt = max(rebuilt, saved)
+        else:
+            per_sample += saved
+        block_index += layer.block
+        previous_output = layer.output_bytes
+    return per_sample * layout.samples_in_flight + rebuilt * layout.micro_samples
+
+
+def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -> float:
+    shards = layout.param_shards
+    if layout.kind != "fsdp" or shards == 1:
+        return 0.0
+    units = [layer.local_params(tp) for layer in layers if layer.block]
+    units.append(sum(layer.local_params(tp) for layer in layers if not layer.block))
+    assert layout.config.fsdp is not None
+    if layout.dims.pp > 1:  # the stage is one unit
+        return 2 * sum(units) * b
+    if not layout.config.fsdp.reshard_after_forward:
+        return sum(units) * b * (1 - 1 / shards)
+    return sum(sorted(units)[-2:]) * b

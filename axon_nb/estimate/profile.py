@@ -1,0 +1,93 @@
+"""``ModelProfile``: what the predictions know about a model, as plain data.
+
+It is measured by one forward and backward of the real model in a process with torch
+(``axon_nb.rank.model_probe``: on a rank with :meth:`Cluster.profile`, or in a short-lived
+subprocess by :func:`axon_nb.estimate.profile`), never in the kernel. Per-sample figures scale
+with the samples a rank processes at once.
+
+Example::
+
+    profile = cluster.profile(model=make_gpt, data=ds, loss=lm_loss)
+    profile.params, [layer.name for layer in profile.layers]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerProfile:
+    """One layer a pipeline could cut at (the whole model when it has no layers)."""
+
+    name: str
+    params: int
+    """Parameter count."""
+    tp_params: int = 0
+    """Parameters a tensor-parallel plan splits."""
+    block: bool = False
+    """An ``nn.ModuleList`` entry: activation checkpointing wraps it, FSDP shards it as a
+    unit of its own."""
+    saved_bytes: float = 0.0
+    """Activations autograd keeps for backward, per sample."""
+    output_bytes: float = 0.0
+    """The layer's output per sample (what a pipeline stage sends on)."""
+    colwise_in_bytes: float = 0.0
+    """Inputs of its column-parallel linears per sample (tensor parallelism's backward
+    all-reduces)."""
+    rowwise_out_bytes: float = 0.0
+    """Outputs of its row-parallel linears per sample (the forward all-reduces)."""
+    colwise_group_bytes: float = 0.0
+    """Distinct inputs of its column-parallel linears per sample (sequence parallelism
+    gathers each once)."""
+    split_fraction: float = 0.0
+    """Share of ``saved_bytes`` tensor parallelism splits."""
+
+    def local_params(self, tp: int) -> float:
+        """Parameters one of ``tp`` tensor-parallel ranks holds."""
+        return self.params - self.tp_params + self.tp_params / tp
+
+    def local_saved(self, tp: int, sequence_parallel: bool = False) -> float:
+        """Saved activations per sample on one of ``tp`` tensor-parallel ranks. Sequence
+        parallelism splits the rest of a block's too, except the gathered inputs of its
+        column-parallel linears, which they save whole."""
+        if sequence_parallel and self.block and tp > 1:
+            whole = min(self.colwise_group_bytes, self.saved_bytes)
+            return (self.saved_bytes - whole) / tp + whole
+        return self.saved_bytes * (1 - self.split_fraction + self.split_fraction / tp)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelProfile:
+    """A model's layers and sizes (see the module docstring)."""
+
+    layers: tuple[LayerProfile, ...]
+    param_bytes: int = 4
+    """Bytes per parameter element as stored (4: fp32)."""
+    backward_extra_bytes: float = 0.0
+    """Per sample: the most bytes alive during backward beyond the saved activations and the
+    parameter gradients (activation gradients, temporaries, the loss's own)."""
+    flops: float = 0.0
+    """Training FLOPs per sample (forward and backward: 6 x parameters x tokens)."""
+    tokens_per_sample: float = 1.0
+
+    @property
+    def params(self) -> int:
+        """All parameters."""
+        return sum(layer.params for layer in self.layers)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+        """Build from ``model_probe.profile_model``'s result (unknown keys are ignored)."""
+        known = {f.name for f in fields(LayerProfile)}
+        layers = tuple(
+            LayerProfile(**{k: v for k, v in row.items() if k in known}) for row in data["layers"]
+        )
+        return cls(
+            layers=layers,
+            param_bytes=int(data.get("param_bytes", 4)),
+            backward_extra_bytes=float(data.get("backward_extra_bytes", 0.0)),
+            flops=float(data.get("flops", 0.0)),
+            tokens_per_sample=float(data.get("tokens_per_sample", 1.0)),
+        )

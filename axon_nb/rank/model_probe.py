@@ -1,0 +1,303 @@
+"""A model's shape, sizes and activation memory, measured by one forward and backward in this
+process: what ``axon_nb.estimate`` predicts memory, communication and step time from.
+
+The model is run whole, on a few samples, layer by layer (the layers a pipeline would cut:
+an ``nn.Sequential``'s children or ``pipeline_layers()``; else the model is one layer). For
+each layer it records:
+
+- ``params``: parameter count, and ``tp_params``: how many of them a tensor-parallel plan
+  splits (the model's default plan, when it has one);
+- ``saved_bytes``: bytes of the tensors autograd saves for backward (activations; parameters
+  excluded), per sample;
+- ``output_bytes``: bytes of the layer's output per sample (what a pipeline sends on);
+- ``block``: whether it is an entry of an ``nn.ModuleList`` (a transformer block: what
+  activation checkpointing wraps and FSDP shards as its own unit);
+- ``colwise_in_bytes`` / ``rowwise_out_bytes``: per sample, the inputs of its column-parallel
+  linears and the outputs of its row-parallel ones (what tensor parallelism reduces);
+- ``colwise_group_bytes``: per sample, the distinct tensors that feed its column-parallel
+  linears (what sequence parallelism gathers: q, k and v share one input);
+- ``split_fraction``: the share of ``saved_bytes`` that tensor parallelism splits, measured by
+  running the layer again with its planned linears narrowed to half their split features
+  (0 where the model cannot run so, or has no plan).
+
+And for the whole model: ``backward_extra_bytes`` per sample, the most bytes alive during
+forward and backward beyond the saved activations and the parameter gradients (the gradients
+of activations, temporaries), and ``flops`` per sample (6 x parameters x tokens, or 6 x
+parameters where no token count is known).
+
+Example (on a rank, or in any process with torch)::
+
+    profile = model_probe.profile_model(GPT(config), (x[:4], y[:4]), lm_loss)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from axon_nb.metrics.peak import PeakTracker
+
+
+def profile_model(
+    model: nn.Module,
+    batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Measure ``model`` on ``batch`` (an ``(input, target)`` pair of a few samples)."""
+    inputs, target = batch
+    samples = _samples(inputs)
+    layers = _layers(model)
+    plan = _plan(model)
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    names = {id(m): n for n, m in model.named_modules()}
+    split = [model.get_submodule(name) for name in plan]
+    rows = [_layer_row(layer, names, split) for layer in layers]
+    listed = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    for layer, row in zip(layers, rows, strict=True):
+        row["block"] = any(layer is m for m in listed)
+    saved: list[dict[int, int]] = [{} for _ in layers]
+    current = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in param_ptrs and storage.nbytes():
+            saved[current[0]].setdefault(storage.data_ptr(), storage.nbytes())
+        return t
+
+    hooks = []
+    for i, (layer, row) in enumerate(zip(layers, rows, strict=True)):
+        hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i)))
+        hooks.append(layer.register_forward_hook(_record_output(row)))
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        owner = next(r for layer, r in zip(layers, rows, strict=True) if _holds(layer, module))
+        hooks.append(module.register_forward_hook(_record_tp(owner, style)))
+    model.zero_grad(set_to_none=True)
+    try:
+        with PeakTracker() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = _forward(model, layers, inputs, target, loss_fn)
+            loss.float().sum().backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                if p.grad is not None)  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    saved_total = sum(sum(s.values()) for s in saved)
+    for row, layer_saved in zip(rows, saved, strict=True):
+        row["saved_bytes"] = sum(layer_saved.values()) / samples
+        for key in ("output_bytes", "colwise_in_bytes", "rowwise_out_bytes", "colwise_group_bytes"):
+            row[key] = row[key] / samples
+    if plan:
+        _measure_split(model, layers, rows, inputs, target, loss_fn, plan)
+    params = sum(r["params"] for r in rows)
+    tokens = _tokens(inputs) / samples
+    return {
+        "layers": rows,
+        "param_bytes": _param_bytes(model),
+        "backward_extra_bytes": max(0, tracker.peak - saved_total - grads) / samples,
+        "flops": 6 * params * tokens,
+        "tokens_per_sample": tokens,
+        "probe_samples": samples,
+    }
+
+
+def _measure_split(
+    model: nn.Module,
+    layers: list[nn.Module],
+    rows: list[dict[str, Any]],
+    inputs: Any,
+    target: Any,
+    loss_fn: Any,
+    plan: dict[str, str],
+) -> None:
+    """Each layer's ``split_fraction``: run a copy of the model whose planned linears keep half
+    their split features (what each of 2 tensor-parallel ranks holds) and compare the saved
+    activations: a fraction f of them split halves the layer's bytes by f / 2."""
+    import copy
+
+    narrow = copy.deepcopy(model)
+    for name, style in plan.items():
+        parent, _, child = name.rpartition(".")
+        old = narrow.get_submodule(name)
+        cut = (old.in_features, old.out_features // 2) if style == "colwise" else (
+            old.in_features // 2, old.out_features)  # fmt: skip
+        holder = narrow.get_submodule(parent) if parent else narrow
+        setattr(holder, child, nn.Linear(*cut, bias=old.bias is not None))
+    narrow_layers = _layers(narrow)
+    saved = [0] * len(narrow_layers)
+    current = [0]
+    params = {p.untyped_storage().data_ptr() for p in narrow.parameters()}
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            saved[current[0]] += t.untyped_storage().nbytes()
+        return t
+
+    hooks = [
+        layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
+        for i, layer in enumerate(narrow_layers)
+    ]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _forward(narrow, narrow_layers, inputs, target, loss_fn)
+    except RuntimeError:  # the model's forward cannot run with narrowed layers
+        return
+    finally:
+        for hook in hooks:
+            hook.remove()
+    samples = _samples(inputs)
+    for row, half in zip(rows, saved, strict=True):
+        whole = row["saved_bytes"] * samples
+        if whole:
+            row["split_fraction"] = min(1.0, max(0.0, 2 * (whole - half) / whole))
+
+
+def _forward(
+    model: nn.Module, layers: list[nn.Module], inputs: Any, target: Any, loss_fn: Any
+) -> torch.Tensor:
+    """The loss, through the layers one after another (as a pipeline runs them) where the
+    model has layers, else through the model."""
+    if loss_fn is None:  # the model computes its own loss
+        return model(inputs, target)
+    if layers == [model]:
+        return loss_fn(model(inputs), target)
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    return loss_fn(x, target)
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    layers = getattr(model, "pipeline_layers", None)
+    return list(layers()) if callable(layers) else [model]
+
+
+def _plan(model: nn.Module) -> dict[str, str]:
+    from axon_nb.parallel.tensor import default_plan, resolve_plan
+
+    try:
+        return resolve_plan(model, default_plan(model), 1)
+    except ValueError:  # no plan for this model: nothing is split
+        return {}
+
+
+def _layer_row(layer: nn.Module, names: dict[int, str], split: list[nn.Module]) -> dict[str, Any]:
+    tp_params = sum(
+        p.numel() for m in layer.modules() if any(m is s for s in split)
+        for p in m.parameters(recurse=False)
+    )  # fmt: skip
+    return {
+        "name": names.get(id(layer), type(layer).__name__),
+        "params": sum(p.numel() for p in layer.parameters()),
+        "tp_params": tp_params,
+        "output_bytes": 0,
+        "colwise_in_bytes": 0,
+        "rowwise_out_bytes": 0,
+        "colwise_group_bytes": 0,
+        "split_fraction": 0.0,
+        "_inputs": {},
+    }
+
+
+def _record_output(row: dict[str, Any]) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        row["output_bytes"] += _nbytes(output)
+        row["colwise_group_bytes"] = sum(row.pop("_inputs", {}).values())
+
+    return hook
+
+
+def _record_tp(row: dict[str, Any], style: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if style == "colwise":
+            row["colwise_in_bytes"] += _nbytes(args[0])
+            row["_inputs"][args[0].untyped_storage().data_ptr()] = _nbytes(args[0])
+        else:
+            row["rowwise_out_bytes"] += _nbytes(output)
+
+    return hook
+
+
+def _holds(layer: nn.Module, module: nn.Module) -> bool:
+    return any(m is module for m in layer.modules())
+
+
+def _param_bytes(model: nn.Module) -> int:
+    return next((p.element_size() for p in model.parameters()), 4)
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple | list):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _samples(inputs: Any) -> int:
+    first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs))
+    return int(first.shape[0])
+
+
+def _tokens(inputs: Any) -> int:
+    """Token count of integer inputs (batch x sequence); else the samples."""
+    first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs))
+    if not first.is_floating_point() and first.dim() >= 2:
+        return int(first.shape[0] * first.shape[1])
+    return int(first.shape[0])
+
+
+def profile_from(model: Any, data: Any, loss: Any = None, samples: int = 4) -> dict[str, Any]:
+    """:func:`profile_model` from ``train``'s own arguments: ``model`` (a module or a callable
+    building one, built here, on this process's CPU), ``data`` (a map-style dataset or a
+    callable returning one) and ``loss``; the first ``samples`` items make the batch."""
+    import copy
+
+    from torch.utils.data import default_collate
+
+    from axon_nb.rank.data import resolve_dataset
+
+    built = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
+    if not isinstance(built, nn.Module):
+        raise TypeError(
+            f"model must be an nn.Module or a callable returning one; got {type(built).__name__}"
+        )
+    dataset = resolve_dataset(data)
+    if not hasattr(dataset, "__len__") or len(dataset) < samples:
+        raise ValueError(
+            f"profiling needs a map-style dataset of at least {samples} items (the probe "
+            "runs one batch of them)"
+        )
+    batch = default_collate([dataset[i] for i in range(samples)])
+    if not (isinstance(batch, tuple | list) and len(batch) == 2):
+        raise TypeError("each data item must be an (input, target) pair")
+    torch.manual_seed(0)
+    return profile_model(built.cpu(), (batch[0], batch[1]), loss)
+
+
+def main() -> None:
+    """``python -m axon_nb.rank.model_probe IN OUT``: the arguments of :func:`profile_from`,
+    pickled in IN by cloudpickle; the profile written to OUT as JSON. How the kernel profiles
+    a model without a cluster, and without importing torch itself."""
+    import json
+    import sys
+
+    import cloudpickle
+
+    with open(sys.argv[1], "rb") as f:
+        kwargs = cloudpickle.load(f)
+    with open(sys.argv[2], "w") as f:
+        json.dump(profile_from(**kwargs), f)
+
+
+if __name__ == "__main__":
+    main()

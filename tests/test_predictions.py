@@ -1,0 +1,65 @@
+"""Predicted per-rank peak memory and communication (``axon_nb.estimate.predict``, from a
+probe of the model on a rank) against what the ranks measure, for every strategy on the
+reference GPT: within 10% for peak memory and 5% for communication bytes per step.
+
+The figures come from ``cluster.compare``, which puts the predictions beside the measured
+values in each row.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+import axon_nb
+from axon_nb import DDP, FSDP, Hybrid, LocalSGD, Pipeline, TensorParallel, ZeRO
+from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
+
+CONFIG = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=32)
+TRAIN = dict(
+    model=functools.partial(GPT, CONFIG),
+    data=functools.partial(token_dataset, 256, block_size=32, vocab_size=256),
+    loss=lm_loss,
+    batch_size=16,
+    optimizer=("adamw", {"lr": 1e-3}),
+    steps=3,
+    warmup=1,
+)
+
+TWO_RANKS = [
+    DDP(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3), FSDP(sharding="shard_grad_op"),
+    FSDP(sharding="no_shard"), FSDP(activation_checkpointing=True),
+    DDP(activation_checkpointing=True), FSDP(param_dtype="bf16"), TensorParallel(),
+    TensorParallel(sequence_parallel=True), Pipeline(microbatches=4),
+    Pipeline(microbatches=4, schedule="gpipe"), LocalSGD(period=1),
+]  # fmt: skip
+FOUR_RANKS = [
+    FSDP(), FSDP(sharding="hybrid_shard", shard_size=2), Hybrid(dp=2, tp=2),
+    Hybrid(dp=2, pp=2, data_parallel="ddp"), Hybrid(dp=2, pp=2), Hybrid(tp=2, pp=2),
+]  # fmt: skip
+
+
+def _check(table: axon_nb.train.compare.Comparison) -> None:
+    off = []
+    for row in table.rows:
+        assert row["status"] == "ok", row
+        memory = row["predicted_peak_bytes"] / row["peak_bytes"]
+        comm = row["predicted_comm_bytes"] / row["comm_bytes_per_step"]
+        if not (0.9 <= memory <= 1.1 and 0.95 <= comm <= 1.05):
+            off.append(f"{row['strategy']}: memory x{memory:.3f}, communication x{comm:.3f}")
+    assert not off, "predictions off:\n" + "\n".join(off)
+
+
+def test_predictions_match_two_ranks() -> None:
+    with axon_nb.Cluster(n=2, timeout=120) as cluster:
+        table = cluster.compare(TWO_RANKS, **TRAIN)
+    _check(table)
+    assert "predicted" in str(table).splitlines()[0]
+
+
+def test_predictions_match_four_ranks() -> None:
+    with axon_nb.Cluster(n=4, timeout=120) as cluster:
+        _check(cluster.compare(FOUR_RANKS, **TRAIN))
