@@ -26,6 +26,7 @@ from axon_nb.errors import (
     RankDiedError,
     RankError,
 )
+from axon_nb.estimate import advise
 from axon_nb.strategies import (
     DDP,
     FSDP,
@@ -65,6 +66,7 @@ __all__ = [
     "TrainHandle",
     "TrainResult",
     "ZeRO",
+    "advise",
     "current_cluster",
     "estimate",
     "load_ipython_extension",

@@ -313,6 +313,25 @@ class Cluster:
                               stream=False)  # fmt: skip
         return ModelProfile.from_dict(measured)
 
+    def advise(
+        self, model: Any, data: Any = None, loss: Any = None, *, device_memory: str | float,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """:func:`axon_nb.advise` for this cluster's world and hosts, with the model profiled
+        on rank 0 and the links measured by :meth:`bandwidth` (when it has run). Example::
+
+            cluster.bandwidth("all_reduce", sizes="1M:64M")
+            cluster.advise(make_gpt, ds, lm_loss, device_memory="80GB", batch_size=64)
+        """
+        from axon_nb.estimate import advise
+
+        kwargs.setdefault("bandwidth", self.bandwidth_results)
+        return advise(
+            profile=self.profile(model, data, loss), world_size=len(self.targets()),
+            hosts=max(1, len(self.targets()) // self.ranks_per_host),
+            device_memory=device_memory, **kwargs,
+        )  # fmt: skip
+
     def bandwidth(self, *args: Any, **kwargs: Any) -> BandwidthReport:
         """Collective bandwidth and latency on these ranks, as nccl-tests measures them:
         :func:`axon_nb.cluster.bandwidth.bandwidth` (same arguments). Example::

@@ -9,9 +9,19 @@ Example::
     axon_nb.estimate.memory(1_000_000, ZeRO(stage=1), world_size=4)["total"]
 """
 
+from axon_nb.estimate.advisor import Advice, advise
 from axon_nb.estimate.prediction import Prediction, predict
 from axon_nb.estimate.probe_process import profile
 from axon_nb.estimate.profile import LayerProfile, ModelProfile
 from axon_nb.estimate.zero_formulas import memory
 
-__all__ = ["LayerProfile", "ModelProfile", "Prediction", "memory", "predict", "profile"]
+__all__ = [
+    "Advice",
+    "LayerProfile",
+    "ModelProfile",
+    "Prediction",
+    "advise",
+    "memory",
+    "predict",
+    "profile",
+]

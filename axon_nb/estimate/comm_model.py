@@ -47,8 +47,21 @@ def predict_comm(
 ) -> dict[str, float]:
     """Bytes per collective kind in one steady step on this rank (``local_sgd_step``: which
     step, for LocalSGD's periodic averaging; by default the average over a period)."""
-    out: dict[str, float] = defaultdict(float)
-    out["all_reduce"] += AGREEMENT_BYTES
+    kinds: dict[str, float] = defaultdict(float)
+    for (_, kind), value in comm_by_axis(profile, layout, local_sgd_step=local_sgd_step).items():
+        kinds[kind] += value
+    return dict(kinds)
+
+
+def comm_by_axis(
+    profile: ModelProfile, layout: RankLayout, *, local_sgd_step: int | None = None
+) -> dict[tuple[str, str], float]:
+    """:func:`predict_comm` split by the mesh axis each collective runs over: ``(axis,
+    kind) -> bytes``: ``dp`` (DDP, ZeRO-1/2), ``dp_shard`` (FSDP), ``dp_replicate`` (hybrid
+    sharding's replicas), ``tp``,
+    ``pp`` or ``world`` (the loop's agreement)."""
+    out: dict[tuple[str, str], float] = defaultdict(float)
+    out["world", "all_reduce"] += AGREEMENT_BYTES
     tp = layout.dims.tp
     layers = [profile.layers[i] for i in layout.layers]
     local = sum(layer.local_params(tp) for layer in layers)
@@ -58,11 +71,11 @@ def predict_comm(
         _tensor_parallel(out, layout, layers)
     if layout.dims.pp > 1:
         _pipeline(out, profile, layout)
-    return {kind: value for kind, value in out.items() if value}
+    return {key: value for key, value in out.items() if value}
 
 
 def _data_parallel(
-    out: dict[str, float], layout: RankLayout, local: float, b: int, step: int | None
+    out: dict[tuple[str, str], float], layout: RankLayout, local: float, b: int, step: int | None
 ) -> None:
     kind, dp = layout.kind, layout.dims.dp
     if kind in ("ddp", "zero1"):
@@ -71,14 +84,14 @@ def _data_parallel(
         hook = ddp.comm_hook if ddp is not None else None
         grad_b = 2 if hook in ("fp16", "bf16") else b
         if sgd is None or (step is not None and step < sgd.warmup_steps):
-            out["all_reduce"] += local * grad_b
+            out["dp", "all_reduce"] += local * grad_b
         elif step is None or step % sgd.period == 0:
-            out["all_reduce"] += local * b / (sgd.period if step is None else 1)
+            out["dp", "all_reduce"] += local * b / (sgd.period if step is None else 1)
         if kind == "zero1":
-            out["broadcast"] += local * b
+            out["dp", "broadcast"] += local * b
     elif kind == "zero2":
-        out["reduce_scatter"] += local * b
-        out["all_gather"] += local * b / dp
+        out["dp", "reduce_scatter"] += local * b
+        out["dp", "all_gather"] += local * b / dp
     elif kind == "fsdp":
         fsdp = layout.config.fsdp
         assert fsdp is not None
@@ -90,31 +103,31 @@ def _data_parallel(
                 gathers = layout.microbatches + 1
             else:
                 gathers = 2 if fsdp.reshard_after_forward else 1
-            out["all_gather"] += gathers * local * gather_b / shards
-            out["reduce_scatter"] += local * reduce_b
+            out["dp_shard", "all_gather"] += gathers * local * gather_b / shards
+            out["dp_shard", "reduce_scatter"] += local * reduce_b
         if layout.dims.dp_replicate > 1:
-            out["all_reduce"] += local * reduce_b / shards
+            out["dp_replicate", "all_reduce"] += local * reduce_b / shards
 
 
-def _tensor_parallel(out: dict[str, float], layout: RankLayout, layers: list) -> None:
+def _tensor_parallel(out: dict[tuple[str, str], float], layout: RankLayout, layers: list) -> None:
     tp = layout.dims.tp
     samples = layout.micro_samples * layout.microbatches
     rowwise = sum(layer.rowwise_out_bytes for layer in layers) * samples
     if not (layout.config.tensor and layout.config.tensor.sequence_parallel):
         colwise = sum(layer.colwise_in_bytes for layer in layers) * samples
-        out["all_reduce"] += rowwise + colwise
+        out["tp", "all_reduce"] += rowwise + colwise
         return
     groups = sum(layer.colwise_group_bytes for layer in layers) * samples
     blocks = [layer for layer in layers if layer.block]
     boundary = 2 * blocks[0].output_bytes * samples if blocks else 0.0
-    out["reduce_scatter"] += rowwise + groups
-    out["all_gather"] += (rowwise + groups + boundary) / tp
+    out["tp", "reduce_scatter"] += rowwise + groups
+    out["tp", "all_gather"] += (rowwise + groups + boundary) / tp
 
 
-def _pipeline(out: dict[str, float], profile: ModelProfile, layout: RankLayout) -> None:
+def _pipeline(out: dict[tuple[str, str], float], profile: ModelProfile, layout: RankLayout) -> None:
     per_micro = layout.micro_samples * layout.microbatches
     for stage in layout.stages:
         if stage[0] > 0:  # receives its input, sends its gradient back
-            out["send_recv"] += 2 * profile.layers[stage[0] - 1].output_bytes * per_micro
+            out["pp", "send_recv"] += 2 * profile.layers[stage[0] - 1].output_bytes * per_micro
         if stage[-1] < len(profile.layers) - 1:  # sends its output, receives its gradient
-            out["send_recv"] += 2 * profile.layers[stage[-1]].output_bytes * per_micro
+            out["pp", "send_recv"] += 2 * profile.layers[stage[-1]].output_bytes * per_micro

@@ -21,10 +21,11 @@ from axon_nb.estimate.profile import ModelProfile
 
 
 def profile(
-    model: Any, data: Any, loss: Any = None, *, samples: int = 4, timeout: float = 300
+    model: Any, data: Any = None, loss: Any = None, *, samples: int = 4, timeout: float = 300
 ) -> ModelProfile:
     """Measure ``model`` (a module or a callable building one) on the first ``samples`` items
-    of ``data``, with ``loss`` as ``train`` takes it, in a subprocess on the CPU.
+    of ``data`` (None: random tokens, for models with ``config.vocab_size`` and
+    ``config.block_size``), with ``loss`` as ``train`` takes it, in a subprocess on the CPU.
 
     On a cluster, :meth:`Cluster.profile` measures on a rank instead.
     """
@@ -37,8 +38,11 @@ def profile(
             [sys.executable, "-m", "axon_nb.rank.model_probe", request, answer],
             capture_output=True, text=True, timeout=timeout, env=env, cwd=os.getcwd(),
         )  # fmt: skip
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        if done.returncode == 2 and last.startswith(("TypeError: ", "ValueError: ")):
+            kind, _, message = last.partition(": ")
+            raise (TypeError if kind == "TypeError" else ValueError)(message)
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             raise RuntimeError(f"profiling the model failed in its subprocess: {last}")
         with open(answer) as f:
             return ModelProfile.from_dict(json.load(f))

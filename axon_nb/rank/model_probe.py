@@ -271,6 +271,8 @@ def profile_from(model: Any, data: Any, loss: Any = None, samples: int = 4) -> d
         raise TypeError(
             f"model must be an nn.Module or a callable returning one; got {type(built).__name__}"
         )
+    if data is None:
+        return profile_model(built.cpu(), _random_tokens(built, samples), loss)
     dataset = resolve_dataset(data)
     if not hasattr(dataset, "__len__") or len(dataset) < samples:
         raise ValueError(
@@ -284,6 +286,20 @@ def profile_from(model: Any, data: Any, loss: Any = None, samples: int = 4) -> d
     return profile_model(built.cpu(), (batch[0], batch[1]), loss)
 
 
+def _random_tokens(model: nn.Module, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token pairs for a model with ``config.vocab_size`` and ``config.block_size``."""
+    config = getattr(model, "config", None)
+    vocab, block = getattr(config, "vocab_size", None), getattr(config, "block_size", None)
+    if not (isinstance(vocab, int) and isinstance(block, int)):
+        raise TypeError(
+            f"pass data= (a few samples to probe {type(model).__name__} with): only models with "
+            "config.vocab_size and config.block_size get random tokens"
+        )
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(vocab, (samples, block), generator=g)
+    return x, torch.randint(vocab, (samples, block), generator=g)
+
+
 def main() -> None:
     """``python -m axon_nb.rank.model_probe IN OUT``: the arguments of :func:`profile_from`,
     pickled in IN by cloudpickle; the profile written to OUT as JSON. How the kernel profiles
@@ -295,8 +311,13 @@ def main() -> None:
 
     with open(sys.argv[1], "rb") as f:
         kwargs = cloudpickle.load(f)
+    try:
+        profile = profile_from(**kwargs)
+    except (TypeError, ValueError) as e:  # the user's input: one line for the kernel's error
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     with open(sys.argv[2], "w") as f:
-        json.dump(profile_from(**kwargs), f)
+        json.dump(profile, f)
 
 
 if __name__ == "__main__":
