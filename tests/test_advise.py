@@ -97,3 +97,25 @@ def test_bad_input_is_refused_or_reported_in_its_row() -> None:
     assert bad["status"].startswith("cannot run: the parallel degrees must multiply")
     assert advice.rows[0]["name"] == "DDP()"
     assert "cannot run" in str(advice)
+
+
+def test_cpu_offload_leaves_the_shards_out_of_device_memory() -> None:
+    kept = estimate.predict(BIG, FSDP(), world_size=4, batch_size=8).ranks[0]["memory"]
+    offloaded = estimate.predict(BIG, FSDP(cpu_offload=True), world_size=4,
+                                 batch_size=8).ranks[0]["memory"]  # fmt: skip
+    shards = kept["params"] + kept["grads"] + kept["optimizer"]
+    assert shards == pytest.approx(16 * BIG.params / 4)  # fp32 Adam, sharded over 4
+    assert offloaded["offloaded"] == pytest.approx(shards)
+    assert offloaded["peak"] == pytest.approx(kept["peak"] - shards)
+
+
+def test_activation_checkpointing_and_mixed_precision_shrink_activations() -> None:
+    def activations(strategy: object, **kwargs: object) -> float:
+        p = estimate.predict(BIG, strategy, world_size=2, batch_size=8, **kwargs)
+        return p.ranks[0]["memory"]["activations"]
+
+    full = activations(DDP())
+    assert full == pytest.approx(10 * 1024 * 4)  # 10 blocks, 4 samples a rank
+    assert activations(DDP(), mixed_precision="bf16") == pytest.approx(full / 2)
+    # checkpointed: each block keeps its input (64 B a sample), one block is rebuilt at a time
+    assert activations(DDP(activation_checkpointing=True)) == pytest.approx((9 * 64 + 1024) * 4)

@@ -30,7 +30,9 @@ state:
 =============  ==================================================================
 
 The peak is their sum: the terms are those alive at the start of backward, when the
-activations are largest. Example::
+activations are largest. With FSDP's ``cpu_offload`` the shards of parameters, gradients and
+optimizer state live in host memory: they are reported as ``offloaded`` and left out of the
+device's peak. Example::
 
     predict_memory(profile, layout, optimizer="adamw")["peak"]
 """
@@ -80,7 +82,12 @@ def predict_memory(
         ),
         "gathered": _gathered(layers, layout, tp, b if compute not in HALF else 2),
     }
+    offloaded = 0.0
+    if fsdp is not None and fsdp.cpu_offload:
+        offloaded = terms["params"] + terms["grads"] + terms["optimizer"]
+        terms.update(params=0.0, grads=0.0, optimizer=0.0)
     terms["peak"] = sum(terms.values())
+    terms["offloaded"] = offloaded
     return terms
 
 
