@@ -33,8 +33,9 @@ TWO_RANKS = [
     DDP(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3), FSDP(sharding="shard_grad_op"),
     FSDP(sharding="no_shard"), FSDP(activation_checkpointing=True),
     DDP(activation_checkpointing=True), FSDP(param_dtype="bf16"), TensorParallel(),
-    TensorParallel(sequence_parallel=True), Pipeline(microbatches=4),
-    Pipeline(microbatches=4, schedule="gpipe"), LocalSGD(period=1),
+    TensorParallel(sequence_parallel=True), Pipeline(microbatches=4), Pipeline(microbatches=8),
+    Pipeline(microbatches=4, schedule="gpipe"),
+    Pipeline(microbatches=4, schedule="interleaved_1f1b", virtual_stages=2), LocalSGD(period=1),
 ]  # fmt: skip
 FOUR_RANKS = [
     FSDP(), FSDP(sharding="hybrid_shard", shard_size=2), Hybrid(dp=2, tp=2),

@@ -22,8 +22,13 @@ state:
                share of them; 16-bit compute halves them
 ``backward``   the last layer's backward working set (activation gradients, the loss's
                temporaries), on the rank that holds it
+``pipeline``   a pipeline stage's receive buffers, one per micro-batch (activations in,
+               gradients back: ``batch x boundary bytes`` each way it receives), and
+               ``P b`` of weight gradients a micro-batch's backward returns before they
+               are added to the accumulated ones
 ``gathered``   FSDP: whole parameters of two units at once (the one running and the
-               prefetched next); without resharding after forward, all of them. A
+               prefetched next) and one unit's whole gradients on their way into its
+               reduce-scatter; without resharding after forward, all parameters. A
                pipeline stage is one FSDP unit (its layers are not in a ``ModuleList``):
                ``P b`` gathered, and ``P b`` more for the reduce-scatter's copy of the
                accumulated gradients
@@ -80,6 +85,7 @@ def predict_memory(
         "backward": (
             half * profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
         ),
+        "pipeline": _pipeline(profile, layout, local * b),
         "gathered": _gathered(layers, layout, tp, b if compute not in HALF else 2),
     }
     offloaded = 0.0
@@ -123,6 +129,19 @@ def _activations(layers: list[LayerProfile], layout: RankLayout) -> float:
     return per_sample * layout.samples_in_flight + rebuilt * layout.micro_samples
 
 
+def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) -> float:
+    if layout.dims.pp == 1:
+        return 0.0
+    samples = layout.micro_samples * layout.microbatches
+    received = 0.0
+    for stage in layout.stages:
+        if stage[0] > 0:  # activations in
+            received += profile.layers[stage[0] - 1].output_bytes * samples
+        if stage[-1] < len(profile.layers) - 1:  # gradients back
+            received += profile.layers[stage[-1]].output_bytes * samples
+    return received + weight_grads
+
+
 def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -> float:
     shards = layout.param_shards
     if layout.kind != "fsdp" or shards == 1:
@@ -134,4 +153,4 @@ def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -
         return 2 * sum(units) * b
     if not layout.config.fsdp.reshard_after_forward:
         return sum(units) * b * (1 - 1 / shards)
-    return sum(sorted(units)[-2:]) * b
+    return (sum(sorted(units)[-2:]) + max(units)) * b

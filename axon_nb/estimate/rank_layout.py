@@ -118,13 +118,16 @@ def _in_flight(pipe: Any, pp_index: int, pp: int, microbatches: int) -> float:
     """Micro-batches whose activations are alive at once on pipeline rank ``pp_index``.
 
     GPipe runs every forward before any backward. 1F1B warms up with ``pp - i`` forwards on
-    rank i; PyTorch's schedule then keeps about half a micro-batch more (its next forward
-    overlaps the oldest backward, and the schedule holds every micro-batch's output and
-    input buffers; measured on CPU ranks with ``metrics.peak``). Interleaved 1F1B warms up
-    with more forwards per virtual stage; it is counted as GPipe, an upper bound.
+    rank i, then runs one backward before each further forward. Interleaved 1F1B (``v``
+    stages per rank) warms up with ``(v - 1) pp + 2 (pp - 1 - i)`` forwards of one of its
+    stages, each ``1 / v`` of the rank's layers, and holds one more before its first backward.
     """
     if pipe is None:
         return 1
     if pipe.schedule == "1f1b":
-        return min(microbatches, pp - pp_index + 0.5)
+        return min(microbatches, pp - pp_index)
+    if pipe.schedule == "interleaved_1f1b":
+        v = pipe.virtual_stages
+        warmup = (v - 1) * pp + 2 * (pp - 1 - pp_index)
+        return min(microbatches, (warmup + 1) / v)
     return microbatches
