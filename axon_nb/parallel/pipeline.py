@@ -136,7 +136,9 @@ class PipelinedModel(nn.Module):
             step_losses: list[torch.Tensor] = []  # the schedule's, one per micro-batch
             with micro.autocast():
                 self.schedule.step(
-                    *args, target=target if self.has_last else None, losses=step_losses,
+                    *args,
+                    target=target if self.has_last else None,
+                    losses=step_losses,
                     return_outputs=False,  # the losses are all we use: keep no logits
                 )
             losses += [micro.unscale(loss.detach()) for loss in step_losses]
