@@ -36,3 +36,11 @@ def test_dask_data_notebook_executes(tmp_path: Path) -> None:
     assert "4 partitions" in text and 'dask dashboard: <a href="http://127.0.0.1:' in html
     first, last = (float(x) for x in text.split("loss ")[1].split()[0:3:2])
     assert last < first * 0.7  # it learned
+
+
+def test_choose_strategy_notebook_executes(tmp_path: Path) -> None:
+    nb = execute(EXAMPLES / "choose_strategy.ipynb", tmp_path / "choose_strategy.ipynb")
+    text = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
+    assert "busbw" in text  # the bandwidth table
+    assert "best: " in text and "does not fit" in text  # 8 MB is too little for DDP
+    assert text.count("memory predicted/measured") == 5
