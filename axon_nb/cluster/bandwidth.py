@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from axon_nb.tables import html_table, text_table
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
                "send_recv")  # fmt: skip
 """What can be measured (the same names as ``axon_nb.rank.collective_timing``)."""
@@ -88,19 +90,10 @@ class BandwidthReport:
         return min(rows, key=lambda r: abs(r["bytes"] - size))["busbw"]
 
     def __str__(self) -> str:
-        lines = [HEAD] + [_cells(r) for r in self.rows]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(HEAD))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
-                         for line in lines)  # fmt: skip
+        return text_table(HEAD, [_cells(r) for r in self.rows], right=True)
 
     def _repr_html_(self) -> str:
-        cells = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>"
-            for r in self.rows
-        )
-        head = "".join(f"<th>{h}</th>" for h in HEAD)
-        return (f"<div>{self._svg()}<table><thead><tr>{head}</tr></thead><tbody>{cells}"
-                "</tbody></table></div>")  # fmt: skip
+        return f"<div>{self._svg()}{html_table(HEAD, [_cells(r) for r in self.rows])}</div>"
 
     def plot(self, path: Any = None) -> Any:
         """A matplotlib figure of bus bandwidth against size, one line per collective and axis

@@ -13,7 +13,6 @@ Example::
 
 from __future__ import annotations
 
-import html
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from axon_nb.estimate.prediction import predict
 from axon_nb.estimate.profile import ModelProfile
 from axon_nb.estimate.rank_layout import rank_layouts
 from axon_nb.estimate.step_time import Links, step_time
+from axon_nb.tables import html_table, text_table
 
 DEFAULT_LINKS = Links(intra_host=100e9, inter_host=10e9)
 """Bus bandwidth assumed when none is measured or given: a GPU host's links (NVLink-class,
@@ -49,20 +49,10 @@ class Advice:
         return next((r["strategy"] for r in self.rows if r.get("fits")), None)
 
     def __str__(self) -> str:
-        lines = [HEAD, *(_cells(r) for r in self.rows)]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(HEAD) - 1)]
-        return "\n".join(
-            "  ".join([*(c.ljust(w) for c, w in zip(line[:-1], widths, strict=True)), line[-1]])
-            for line in lines
-        )
+        return text_table(HEAD, [_cells(r) for r in self.rows], ragged_last=True)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in HEAD)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>"
-            for r in self.rows
-        )
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return html_table(HEAD, [_cells(r) for r in self.rows])
 
 
 HEAD = ("#", "strategy", "fits", "memory/rank", "step", "samples/s", "comm/step", "why")

@@ -15,13 +15,13 @@ Example::
 
 from __future__ import annotations
 
-import html
 import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.errors import ClusterBrokenError, RankDiedError, RankError
 from axon_nb.strategies import DDP, resolve_strategy
+from axon_nb.tables import html_table, text_table
 
 if TYPE_CHECKING:
     from axon_nb.cluster import Cluster
@@ -41,18 +41,10 @@ class Comparison:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
     def __str__(self) -> str:
-        lines = [HEAD, *(_cells(r) for r in self.rows)]
-        widths = [max(len(line[i]) for line in lines) for i in range(len(HEAD))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
-                         for line in lines)  # fmt: skip
+        return text_table(HEAD, [_cells(r) for r in self.rows])
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in HEAD)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in _cells(r)) + "</tr>"
-            for r in self.rows
-        )
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return html_table(HEAD, [_cells(r) for r in self.rows])
 
 
 HEAD = ("strategy", "samples/s", "peak memory", "predicted", "comm/step", "predicted",
