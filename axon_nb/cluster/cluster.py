@@ -20,6 +20,7 @@ from axon_nb.cluster import hangs, reaper, startup
 from axon_nb.cluster.control import Control, held_interrupts
 from axon_nb.cluster.dask_on_ranks import DaskOnRanks
 from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
+from axon_nb.cluster.lab_registry import LabRegistry
 from axon_nb.cluster.launchers import LAUNCHERS
 from axon_nb.cluster.options import ClusterOptions, parse_hosts
 from axon_nb.cluster.stacks import StackReport
@@ -107,6 +108,8 @@ class Cluster:
         """The latest :meth:`bandwidth` figures."""
         self.last_run: TrainHandle | None = None
         """The latest ``train()`` call's handle (``%axon_dashboard`` shows its dashboard)."""
+        self._registry: LabRegistry | None = None
+        """This cluster's entry in JupyterLab's Axon sidebar (in a Jupyter kernel)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -157,6 +160,9 @@ class Cluster:
             raise ClusterStartError(f"{e}{launcher_output}") from e
         self._broken = None
         self._dead = set()
+        self._registry = LabRegistry.for_kernel(self)
+        if self._registry is not None:
+            self._registry.start()
         return self
 
     def stop(self) -> None:
@@ -168,6 +174,9 @@ class Cluster:
             print("(Ctrl-C was held until the cluster had stopped)", file=sys.stderr)
 
     def _stop(self) -> None:
+        if self._registry is not None:
+            self._registry.close()
+            self._registry = None
         self._dask_rows = []
         self._dask.close()
         if self._client is not None:
