@@ -14,6 +14,8 @@ import axon_nb
 # Functions defined in test modules are pickled by reference; engines inherit this environment
 # and so can import them.
 _TESTS = str(Path(__file__).parent)
+
+collect_ignore = ["server_ext"]  # run under Jupyter Server's plugin by test_server_ext.py
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 

@@ -44,11 +44,16 @@ LOSS_POINTS = 100
 """Loss points kept in the state file (the sidebar's sparkline)."""
 
 
-def registry_dir() -> Path:
-    """``<Jupyter runtime dir>/axon_nb``, created owner-only (0700) when missing."""
+def registry_path() -> Path:
+    """``<Jupyter runtime dir>/axon_nb`` (it may not exist yet)."""
     from jupyter_core.paths import jupyter_runtime_dir
 
-    path = Path(jupyter_runtime_dir()) / "axon_nb"
+    return Path(jupyter_runtime_dir()) / "axon_nb"
+
+
+def registry_dir() -> Path:
+    """:func:`registry_path`, created owner-only (0700) when missing (the kernel's side)."""
+    path = registry_path()
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.chmod(0o700)
     return path
