@@ -5,15 +5,27 @@ BIN := $(VENV)/bin
 # Pinned so pip takes the CPU wheel on CPU machines; override on GPU hosts, e.g. TORCH=torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint chromium sshd slurm bench clean
+.PHONY: install demo test lint chromium sshd slurm bench clean extension check-extension
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# Installing builds the JupyterLab extension (extension/) from source with this machine's node
+# (pyproject's jupyter-builder hook runs jlpm install and build:prod); wheels ship it prebuilt.
+$(VENV)/.installed: pyproject.toml extension/package.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
 	$(BIN)/pip install -q -e ".[dev]"
 	touch $@
+
+# Rebuild the lab extension after changing extension/ (then reload JupyterLab).
+extension: install
+	cd extension && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm install && PATH="$(CURDIR)/$(BIN):$$PATH" jlpm build:prod
+	$(BIN)/pip install -q --no-deps -e .
+
+# The lab and server extensions are installed and enabled.
+check-extension: install
+	$(BIN)/jupyter labextension list 2>&1 | grep -E "axon-nb v[0-9.]+ .*enabled.*OK"
+	$(BIN)/jupyter server extension list 2>&1 | grep -E "axon_nb.server .*OK"
 
 demo: install
 	$(BIN)/python -m axon_nb.notebooks examples/quickstart.ipynb --output build/quickstart.ipynb
@@ -46,7 +58,7 @@ slurm:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; } || \
 	  echo "Slurm could not be installed: tests/test_slurm.py will be skipped"
 
-test: lint chromium sshd slurm
+test: lint check-extension chromium sshd slurm
 	$(BIN)/python -m pytest
 
 bench: install
