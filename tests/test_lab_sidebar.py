@@ -11,35 +11,17 @@ notebook.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import secrets
 import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_browser import _answers, _command, _wait_for
+from lab_server import ARTIFACTS, CHROMIUM, ROOT, command, jupyter_lab, missing, notebook_page
 
-from axon_nb.rank.bootstrap import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "build" / "test-artifacts"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-MISSING = [
-    name
-    for name, present in (
-        ("chromium (apt-get install chromium)", CHROMIUM),
-        ("playwright", importlib.util.find_spec("playwright")),
-        ("jupyterlab", importlib.util.find_spec("jupyterlab")),
-        ("notebook", importlib.util.find_spec("notebook")),
-    )
-    if not present
-]
+MISSING = missing("notebook")
 
 pytestmark = [
     pytest.mark.browser,
@@ -71,30 +53,12 @@ def _notebook(path: Path, cells: list[str]) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """JupyterLab (and Notebook 7, same server) on loopback; yields (base URL, token)."""
-    port, token = free_port(), secrets.token_hex(16)
     root = tmp_path_factory.mktemp("lab")
     _notebook(root / "sidebar.ipynb", CELLS)
     shutil.copy(ROOT / "examples" / "dashboard.ipynb", root)
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log = (ARTIFACTS / "jupyterlab-sidebar.log").open("w")
-    env = {**__import__("os").environ, "JUPYTER_RUNTIME_DIR": str(root / "runtime")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-         "--JupyterNotebookApp.expose_app_in_browser=True",
-         "--ServerApp.allow_root=True", f"--LabApp.workspaces_dir={root / 'workspaces'}",
-         f"--LabApp.user_settings_dir={root / 'settings'}"],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_for(lambda: _answers(f"{base}/api/status?token={token}"), 60, "JupyterLab to start")
-        yield base, token
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
+    runtime = {"JUPYTER_RUNTIME_DIR": str(root / "runtime")}
+    with jupyter_lab(root, "jupyterlab-sidebar.log", runtime) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -111,82 +75,76 @@ def test_sidebar_lists_controls_and_forgets_a_cluster(
     server: tuple[str, str], browser: Any
 ) -> None:
     base, token = server
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    try:
-        page.goto(f"{base}/lab/tree/sidebar.ipynb?token={token}")
-        page.wait_for_function("window.jupyterapp && document.querySelector('.jp-Notebook')")
-        page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-Toolbar", timeout=60_000)
-        time.sleep(2)  # let the kernel connect
-        _command(page, "axon-nb:open-sidebar")
-        page.wait_for_selector("#axon-nb-sidebar .axon-nb-empty", timeout=30_000)
-        _command(page, "notebook:run-all-cells")
+    url = f"{base}/lab/tree/sidebar.ipynb?token={token}"
+    with notebook_page(browser, url) as page:
+        try:
+            _use_the_sidebar(page)
+        finally:
+            page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme',"
+                          " {theme: 'JupyterLab Light'})")  # fmt: skip
 
-        run = page.locator("#axon-nb-sidebar .axon-nb-run[data-state=running]")
-        run.wait_for(timeout=180_000)  # the cluster starts, then the run publishes
-        cluster = page.locator("#axon-nb-sidebar .axon-nb-cluster")
-        assert cluster.count() == 1
-        meta = cluster.locator(".axon-nb-meta").first.inner_text()
-        assert "2 ranks" in meta and "gloo" in meta and "cpu" in meta
-        assert cluster.locator(".axon-nb-memory .axon-nb-row").count() == 2
-        first = int(run.get_attribute("data-step"))
-        page.wait_for_function(
-            f"Number(document.querySelector('.axon-nb-run').dataset.step) > {first}",
-            timeout=60_000,
-        )  # it advances, live
-        assert page.locator(".axon-nb-spark polyline").count() == 1
-        assert "2 ranks" in page.locator(".axon-nb-statusbar").inner_text()
-        sidebar = page.locator("#axon-nb-sidebar")
-        sidebar.screenshot(path=str(ARTIFACTS / "sidebar-light.png"))
-        page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme',"
-                      " {theme: 'JupyterLab Dark'})")  # fmt: skip
-        page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
-        time.sleep(1)
-        sidebar.screenshot(path=str(ARTIFACTS / "sidebar-dark.png"))
 
-        # the run's full dashboard in a main-area tab: the notebook widget's own view
-        page.locator(".axon-nb-open").click()
-        page.wait_for_selector(".axon-nb-dashboard-tab .axon-progress-text", timeout=30_000)
-        assert page.locator(".axon-nb-dashboard-tab .axon-chip.axon-running").count() == 2
+def _use_the_sidebar(page: Any) -> None:
+    """List, watch, open, stop the run, stop the cluster, insert a cell (see the module)."""
+    command(page, "axon-nb:open-sidebar")
+    page.wait_for_selector("#axon-nb-sidebar .axon-nb-empty", timeout=30_000)
+    command(page, "notebook:run-all-cells")
 
-        # Stop run, confirmed: every rank stops at the same step
-        page.locator(".axon-nb-control[data-action=stop_run]").click()
-        page.locator(".jp-Dialog .jp-mod-warn").click()
-        page.wait_for_selector(".axon-nb-run[data-state=stopped]", timeout=60_000)
-        page.wait_for_selector(".axon-nb-dashboard-tab .axon-chip.axon-stopped >> nth=1",
-                               timeout=30_000)  # fmt: skip
-        sidebar.screenshot(path=str(ARTIFACTS / "sidebar-stopped-dark.png"))
+    run = page.locator("#axon-nb-sidebar .axon-nb-run[data-state=running]")
+    run.wait_for(timeout=180_000)  # the cluster starts, then the run publishes
+    cluster = page.locator("#axon-nb-sidebar .axon-nb-cluster")
+    assert cluster.count() == 1
+    meta = cluster.locator(".axon-nb-meta").first.inner_text()
+    assert "2 ranks" in meta and "gloo" in meta and "cpu" in meta
+    assert cluster.locator(".axon-nb-memory .axon-nb-row").count() == 2
+    first = int(run.get_attribute("data-step"))
+    page.wait_for_function(
+        f"Number(document.querySelector('.axon-nb-run').dataset.step) > {first}",
+        timeout=60_000,
+    )  # it advances, live
+    assert page.locator(".axon-nb-spark polyline").count() == 1
+    assert "2 ranks" in page.locator(".axon-nb-statusbar").inner_text()
+    sidebar = page.locator("#axon-nb-sidebar")
+    sidebar.screenshot(path=str(ARTIFACTS / "sidebar-light.png"))
+    page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme',"
+                  " {theme: 'JupyterLab Dark'})")  # fmt: skip
+    page.wait_for_function("document.body.dataset.jpThemeLight === 'false'", timeout=30_000)
+    time.sleep(1)
+    sidebar.screenshot(path=str(ARTIFACTS / "sidebar-dark.png"))
 
-        # Stop cluster, confirmed: its entry vanishes
-        page.locator(".axon-nb-control[data-action=stop_cluster]").click()
-        page.locator(".jp-Dialog .jp-mod-warn").click()
-        page.wait_for_selector("#axon-nb-sidebar .axon-nb-empty", timeout=60_000)
-        assert page.locator("#axon-nb-sidebar .axon-nb-cluster").count() == 0
+    # the run's full dashboard in a main-area tab: the notebook widget's own view
+    page.locator(".axon-nb-open").click()
+    page.wait_for_selector(".axon-nb-dashboard-tab .axon-progress-text", timeout=30_000)
+    assert page.locator(".axon-nb-dashboard-tab .axon-chip.axon-running").count() == 2
 
-        # a %axon_cluster cell is inserted into the active notebook
-        cells = page.locator(".jp-Notebook .jp-Cell").count()
-        _command(page, "axon-nb:insert-cluster-cell")
-        page.wait_for_function(
-            f"document.querySelectorAll('.jp-Notebook .jp-Cell').length > {cells}"
-        )
-        assert "%axon_cluster 2" in page.locator(".jp-Notebook .jp-Cell.jp-mod-active").inner_text()
-    finally:
-        page.evaluate("window.jupyterapp.commands.execute('apputils:change-theme',"
-                      " {theme: 'JupyterLab Light'})")  # fmt: skip
-        _command(page, "kernelmenu:shutdown")
-        page.close()
+    # Stop run, confirmed: every rank stops at the same step
+    page.locator(".axon-nb-control[data-action=stop_run]").click()
+    page.locator(".jp-Dialog .jp-mod-warn").click()
+    page.wait_for_selector(".axon-nb-run[data-state=stopped]", timeout=60_000)
+    page.wait_for_selector(".axon-nb-dashboard-tab .axon-chip.axon-stopped >> nth=1",
+                           timeout=30_000)  # fmt: skip
+    sidebar.screenshot(path=str(ARTIFACTS / "sidebar-stopped-dark.png"))
+
+    # Stop cluster, confirmed: its entry vanishes
+    page.locator(".axon-nb-control[data-action=stop_cluster]").click()
+    page.locator(".jp-Dialog .jp-mod-warn").click()
+    page.wait_for_selector("#axon-nb-sidebar .axon-nb-empty", timeout=60_000)
+    assert page.locator("#axon-nb-sidebar .axon-nb-cluster").count() == 0
+
+    # a %axon_cluster cell is inserted into the active notebook
+    cells = page.locator(".jp-Notebook .jp-Cell").count()
+    command(page, "axon-nb:insert-cluster-cell")
+    page.wait_for_function(f"document.querySelectorAll('.jp-Notebook .jp-Cell').length > {cells}")
+    assert "%axon_cluster 2" in page.locator(".jp-Notebook .jp-Cell.jp-mod-active").inner_text()
 
 
 def test_dashboard_widget_renders_and_advances_in_notebook_7(
     server: tuple[str, str], browser: Any
 ) -> None:
     base, token = server
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    try:
-        page.goto(f"{base}/notebooks/dashboard.ipynb?token={token}")
-        page.wait_for_function("document.querySelector('.jp-Notebook')", timeout=60_000)
-        page.wait_for_function("window.jupyterapp !== undefined", timeout=60_000)
-        time.sleep(3)  # let the kernel connect
-        _command(page, "notebook:run-all-cells")
+    url = f"{base}/notebooks/dashboard.ipynb?token={token}"
+    with notebook_page(browser, url, ready_ms=60_000, settle_s=3, lab=False) as page:
+        command(page, "notebook:run-all-cells")
         step = page.locator(".axon-progress-text")
         step.wait_for(timeout=180_000)
         page.wait_for_function(
@@ -199,8 +157,5 @@ def test_dashboard_widget_renders_and_advances_in_notebook_7(
             timeout=60_000,
         )
         page.locator(".axon-dashboard").screenshot(path=str(ARTIFACTS / "notebook7-dashboard.png"))
-        _command(page, "kernelmenu:interrupt")
+        command(page, "kernelmenu:interrupt")
         page.wait_for_selector(".axon-chip.axon-stopped >> nth=1", timeout=60_000)
-    finally:
-        _command(page, "kernelmenu:shutdown")
-        page.close()
