@@ -13,32 +13,34 @@ or from Python::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from axon_nb import estimate
-from axon_nb.checkpoint import Checkpoint
-from axon_nb.cluster import Cluster, ClusterOptions, StackReport
-from axon_nb.errors import (
-    AxonError,
-    ClusterBrokenError,
-    ClusterStartError,
-    NoClusterError,
-    RankDiedError,
-    RankError,
-)
-from axon_nb.estimate import advise
-from axon_nb.strategies import (
-    DDP,
-    FSDP,
-    Hybrid,
-    LocalSGD,
-    Pipeline,
-    SingleDevice,
-    Strategy,
-    TensorParallel,
-    ZeRO,
-)
-from axon_nb.train import TrainHandle, TrainResult, train_local
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first use (below)
+    from axon_nb import estimate
+    from axon_nb.checkpoint import Checkpoint
+    from axon_nb.cluster import Cluster, ClusterOptions, StackReport
+    from axon_nb.errors import (
+        AxonError,
+        ClusterBrokenError,
+        ClusterStartError,
+        NoClusterError,
+        RankDiedError,
+        RankError,
+    )
+    from axon_nb.estimate import advise
+    from axon_nb.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from axon_nb.strategies import (
+        DDP,
+        FSDP,
+        Hybrid,
+        LocalSGD,
+        Pipeline,
+        SingleDevice,
+        Strategy,
+        TensorParallel,
+        ZeRO,
+    )
+    from axon_nb.train import TrainHandle, TrainResult, train_local
 
 __version__ = "0.1.0"
 
@@ -75,14 +77,50 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # Layers subclass torch.nn.Linear: imported on first use, so `import axon_nb` (the
-    # kernel side) does not import torch.
-    if name in ("ColumnParallelLinear", "RowParallelLinear"):
-        from axon_nb.parallel import tensor
+_LAZY = {
+    "estimate": "axon_nb.estimate",
+    "Checkpoint": "axon_nb.checkpoint",
+    "Cluster": "axon_nb.cluster",
+    "ClusterOptions": "axon_nb.cluster",
+    "StackReport": "axon_nb.cluster",
+    "AxonError": "axon_nb.errors",
+    "ClusterBrokenError": "axon_nb.errors",
+    "ClusterStartError": "axon_nb.errors",
+    "NoClusterError": "axon_nb.errors",
+    "RankDiedError": "axon_nb.errors",
+    "RankError": "axon_nb.errors",
+    "advise": "axon_nb.estimate",
+    "ColumnParallelLinear": "axon_nb.parallel.tensor",
+    "RowParallelLinear": "axon_nb.parallel.tensor",
+    **dict.fromkeys(
+        ["DDP", "FSDP", "Hybrid", "LocalSGD", "Pipeline", "SingleDevice", "Strategy"],
+        "axon_nb.strategies",
+    ),
+    "TensorParallel": "axon_nb.strategies",
+    "ZeRO": "axon_nb.strategies",
+    "TrainHandle": "axon_nb.train",
+    "TrainResult": "axon_nb.train",
+    "train_local": "axon_nb.train",
+}
+"""Where each public name lives. ``import axon_nb`` loads none of them (PEP 562): a rank, the
+launcher and the reaper import ``axon_nb.rank...`` or ``axon_nb.cluster.reaper`` without the
+kernel side (ipyparallel, widgets) or torch coming along."""
 
-        return getattr(tensor, name)
-    raise AttributeError(f"module 'axon_nb' has no attribute {name!r}")
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'axon_nb' has no attribute {name!r}")
+    import importlib
+
+    loaded = importlib.import_module(module)
+    value = loaded if module.rsplit(".", 1)[-1] == name else getattr(loaded, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 def current_cluster() -> Cluster:
@@ -95,7 +133,7 @@ def current_cluster() -> Cluster:
     """
     from axon_nb.magics import current_cluster as current
 
-    return current()
+    return current()  # type: ignore[no-any-return]
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -47,6 +47,13 @@ class AxonMagics(Magics):
     @argument("--hosts", default=None, help="start ranks on these hosts over ssh: node1:4,node2:4")
     @argument("--hostfile", default=None, help="a file of host:slots lines, instead of --hosts")
     @argument("--iface", default=None, help="network interface the ranks use across hosts")
+    @argument(
+        "--oversubscribe",
+        action="store_const",
+        const=True,
+        default=None,
+        help="allow more ranks than this host has GPUs (or cores on CPU)",
+    )
     @argument("--partition", default=None, help="--engines slurm: the partition to submit to")
     @argument("--time", default=None, help="--engines slurm: the job's time limit, e.g. 2:00:00")
     @argument("--stop", action="store_true", help="stop the running cluster")
@@ -203,9 +210,20 @@ class AxonMagics(Magics):
 
             In [3]: %axon_run train.py --epochs 1
         """
-        argv = shlex.split(line)
+        try:
+            argv = shlex.split(line)
+        except ValueError as e:  # e.g. "No closing quotation"
+            raise UsageError(
+                f"cannot read the command line of %axon_run ({e}): close the quotes, e.g. "
+                "`%axon_run train.py --name 'my run'`"
+            ) from None
         if not argv:
             raise UsageError("give a script to run, e.g. `%axon_run train.py --epochs 1`")
+        if argv[0].startswith("-"):
+            raise UsageError(
+                f"%axon_run has no option {argv[0]!r}: give the script first, then its own "
+                "arguments, e.g. `%axon_run train.py --epochs 1`"
+            )
         self._require_cluster().run_script(argv[0], argv[1:])
 
     # -- helpers ---------------------------------------------------------------------------
@@ -273,6 +291,7 @@ def _cluster_from_args(args: Any) -> Cluster:
             hang_timeout=args.hang_timeout,
             hosts=_hosts_from_args(args),
             iface=args.iface,
+            oversubscribe=args.oversubscribe,
             partition=args.partition,
             time=args.time,
         )

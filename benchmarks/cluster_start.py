@@ -1,91 +1,119 @@
-"""Time from `%axon_cluster 4` to the first completed all-reduce, against a hand-written baseline.
+"""Start-up: 2 local ranks ready for a first `%%axon` cell, against `python -c "import torch"`.
 
-The baseline starts a plain ipyparallel MPI cluster and initializes the process group itself
-(rank 0 picks a port, MPI shares it, gloo init, one all-reduce). Both run alternately in the
-same process; the last line is the ratio of medians (axon_nb / baseline). Target: <= 1.10.
+Both are measured alternately in the same run (the machine is noisy). Each start is broken
+down into its phases, timed where the kernel waits for them:
 
-    python benchmarks/cluster_start.py [--ranks 4] [--repeats 3]
+- controller: ipyparallel's controller process up and its connection files written;
+- engines launched: `mpiexec` started (the engines import ipyparallel, and torch on a side
+  thread, from here on);
+- engines connected: every engine registered and seen by the controller's heartbeat;
+- world joined: every rank bound to its device and in `init_process_group`;
+- first cell: a `%%axon` cell with one all-reduce.
+
+The last line is the ratio of medians (start-up / import torch). Target: <= 2.0.
+
+    python benchmarks/cluster_start.py [--ranks 2] [--repeats 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
+import subprocess
+import sys
 import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
 
 import ipyparallel as ipp
 from IPython.core.interactiveshell import InteractiveShell
 
-from axon_nb.cluster.launchers import find_mpiexec
+from axon_nb.cluster import startup
+
+PHASES = ["controller", "engines launched", "engines connected", "world joined", "first cell"]
 
 
-def _baseline_join() -> float:
-    import datetime
-    import os
-    import socket
+class Clock:
+    """Marks the end of each phase, from the start of `%axon_cluster`."""
 
-    import torch
-    import torch.distributed as dist
-    from mpi4py import MPI
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+        self.start = 0.0
 
-    comm = MPI.COMM_WORLD
-    port = None
-    if comm.Get_rank() == 0:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(comm.bcast(port)))
-    dist.init_process_group(
-        "gloo",
-        rank=comm.Get_rank(),
-        world_size=comm.Get_size(),
-        timeout=datetime.timedelta(seconds=300),
-    )
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return t.item()
+    def wrap(self, owner: Any, name: str, phase: str) -> None:
+        original: Callable[..., Any] = getattr(owner, name)
 
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            value = original(*args, **kwargs)
+            self.marks[phase] = time.perf_counter()
+            return value
 
-def baseline(n: int) -> float:
-    start = time.perf_counter()
-    cluster = ipp.Cluster(n=n, engines="mpi", log_level=40)
-    cluster.config.MPIEngineSetLauncher.mpi_cmd = [find_mpiexec()]
-    client = cluster.start_and_connect_sync(activate=False)
-    try:
-        assert client[:].apply_sync(_baseline_join) == [float(n)] * n
-        return time.perf_counter() - start
-    finally:
-        cluster.stop_cluster_sync()
+        async def timed_async(*args: Any, **kwargs: Any) -> Any:
+            value = await original(*args, **kwargs)
+            self.marks[phase] = time.perf_counter()
+            return value
+
+        setattr(owner, name, timed_async if inspect.iscoroutinefunction(original) else timed)
+
+    def phases(self) -> dict[str, float]:
+        times, last = {}, self.start
+        for phase in PHASES:
+            times[phase] = self.marks[phase] - last
+            last = self.marks[phase]
+        return times
 
 
-def axon(shell: InteractiveShell, n: int) -> float:
-    start = time.perf_counter()
+def start_once(shell: InteractiveShell, n: int, clock: Clock) -> float:
+    clock.marks = {}
+    clock.start = time.perf_counter()
     shell.run_line_magic("axon_cluster", str(n))
     cell = "import torch\nt = torch.ones(1)\ntorch.distributed.all_reduce(t)"
     shell.run_cell_magic("axon", "--no-stream", cell)
-    elapsed = time.perf_counter() - start
+    clock.marks["first cell"] = time.perf_counter()
+    elapsed = clock.marks["first cell"] - clock.start
     shell.run_line_magic("axon_cluster", "--stop")
     return elapsed
 
 
+def import_torch() -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
+    clock = Clock()
+    clock.wrap(ipp.Cluster, "start_controller", "controller")
+    clock.wrap(ipp.Cluster, "start_engines", "engines launched")
+    clock.wrap(startup, "wait_for_engines", "engines connected")
+    clock.wrap(startup, "join_world", "world joined")
     shell = InteractiveShell.instance()
     shell.extension_manager.load_extension("axon_nb")
-    ours, theirs = [], []
+    ours, torch_times = [], []
+    phases: dict[str, list[float]] = defaultdict(list)
     for i in range(args.repeats):
         # alternate who goes first, so neither always gets the warmer caches
-        pair = [("axon", lambda: axon(shell, args.ranks)), ("base", lambda: baseline(args.ranks))]
+        pair = [("start", lambda: start_once(shell, args.ranks, clock)), ("torch", import_torch)]
         for name, run in pair if i % 2 == 0 else pair[::-1]:
             seconds = run()
-            (ours if name == "axon" else theirs).append(seconds)
+            (ours if name == "start" else torch_times).append(seconds)
+            if name == "start":
+                for phase, t in clock.phases().items():
+                    phases[phase].append(t)
             print(f"run {i} {name:5s} {seconds:6.2f} s", flush=True)
-    a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"axon_nb median {a:.2f} s, baseline median {b:.2f} s ({args.ranks} ranks)")
-    print(f"ratio axon_nb/baseline: {a / b:.3f}")
+    print(f"\nstart-up of {args.ranks} ranks, median of {args.repeats}:")
+    for phase in PHASES:
+        print(f"  {phase:18s} {statistics.median(phases[phase]):5.2f} s")
+    a, b = statistics.median(ours), statistics.median(torch_times)
+    print(f"start-up median {a:.2f} s (min {min(ours):.2f}, max {max(ours):.2f}); "
+          f"`python -c 'import torch'` median {b:.2f} s")  # fmt: skip
+    print(f"ratio start-up/import torch: {a / b:.3f}")
 
 
 if __name__ == "__main__":

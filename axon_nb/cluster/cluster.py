@@ -4,24 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
-import signal
 import socket
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 import psutil
 
-from axon_nb.cluster import hangs, reaper, startup
+from axon_nb.cluster import hangs, reaper, startup, stopping
 from axon_nb.cluster.control import Control, held_interrupts
 from axon_nb.cluster.dask_on_ranks import DaskOnRanks
 from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
+from axon_nb.cluster.host_fit import check_fits_here
 from axon_nb.cluster.lab_registry import LabRegistry
-from axon_nb.cluster.launchers import LAUNCHERS
+from axon_nb.cluster.launchers import CONTROLLER_ARGS, LAUNCHERS
+from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions, parse_hosts
 from axon_nb.cluster.stacks import StackReport
 from axon_nb.cluster.waiting import results, wait_for_ranks
@@ -34,6 +33,7 @@ from axon_nb.errors import (
 )
 from axon_nb.rank import entry
 from axon_nb.rank.watch import NATIVE_SIGNAL
+from axon_nb.spec.stop_waits import ASK_S
 
 if TYPE_CHECKING:
     import distributed
@@ -42,11 +42,6 @@ if TYPE_CHECKING:
     from axon_nb.cluster.bandwidth import BandwidthReport
     from axon_nb.train import TrainHandle, TrainResult
     from axon_nb.train.compare import Comparison
-
-
-SHUTDOWN_WAIT_S = 4.0
-"""How long :meth:`Cluster.stop` waits for engines asked to exit, before the launcher's
-SIGTERM (and SIGKILL 5 s later) ends them."""
 
 
 class Cluster:
@@ -76,6 +71,7 @@ class Cluster:
         hang_timeout: float | None = None,
         hosts: Sequence[tuple[str, int]] | str | None = None,
         iface: str | None = None,
+        oversubscribe: bool | None = None,
         partition: str | None = None,
         time: str | None = None,
     ) -> None:
@@ -91,6 +87,7 @@ class Cluster:
             hang_timeout=hang_timeout,
             hosts=tuple((str(h), int(c)) for h, c in hosts) if hosts is not None else None,
             iface=iface,
+            **({} if oversubscribe is None else {"oversubscribe": oversubscribe}),
             partition=partition,
             time=time,
         )
@@ -110,6 +107,8 @@ class Cluster:
         """The latest ``train()`` call's handle (``%axon_dashboard`` shows its dashboard)."""
         self._registry: LabRegistry | None = None
         """This cluster's entry in JupyterLab's Axon sidebar (in a Jupyter kernel)."""
+        self.log: ClusterLog | None = None
+        """The log file of the latest start: controller, MPI launcher and engine output."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -135,14 +134,21 @@ class Cluster:
         if self._ipp is not None:
             raise AxonError("the cluster is already running; stop() or restart() it first")
         opts = self.options
-        cluster = ipp.Cluster(n=opts.n, engines=opts.engines, log_level=logging.WARNING)
-        LAUNCHERS[opts.engines](cluster, opts)  # may raise (no mpiexec) before anything starts
+        check_fits_here(opts)  # refused before anything is launched
+        self.log = ClusterLog.create()
+        cluster = ipp.Cluster(
+            n=opts.n, engines=opts.engines, log=self.log.logger, controller_args=CONTROLLER_ARGS
+        )
+        # may raise (no mpiexec) before anything starts
+        LAUNCHERS[opts.engines](cluster, opts, str(self.log.path))
         self._ipp = cluster
         try:
             self._watch = WatchDir.create()
             cluster.start_controller_sync()
             cluster.start_engines_sync(opts.n)
-            self._reaper = reaper.spawn(os.getpid(), cluster.cluster_file, str(self._watch.path))
+            self._reaper = reaper.spawn(
+                os.getpid(), cluster.cluster_file, str(self._watch.path), self._launcher_pids()
+            )
             self._client = cluster.connect_client_sync()
             startup.wait_for_engines(cluster, self._client, opts)
             self.ranks = startup.join_world(
@@ -153,11 +159,10 @@ class Cluster:
                 kernel_addr=cluster.controller_ip or None,
             )
         except BaseException as e:
-            launcher_output = startup.launcher_output(self._ipp)
             self.stop()
             if isinstance(e, AxonError | KeyboardInterrupt):
                 raise
-            raise ClusterStartError(f"{e}{launcher_output}") from e
+            raise ClusterStartError(f"{e}\n{startup.log_tail(self.log)}") from e
         self._broken = None
         self._dead = set()
         self._registry = LabRegistry.for_kernel(self)
@@ -179,27 +184,25 @@ class Cluster:
             self._registry = None
         self._dask_rows = []
         self._dask.close()
+        engines = self._launcher_pids(controller=False)
+        tree = stopping.process_tree(engines)  # (before any of it ends: see stopping.py)
+        if self._ipp is not None and self.log is not None:
+            startup.copy_launcher_output(self._ipp, self.log)
         if self._client is not None:
-            # Ask the engines to exit first (a broken world's survivors are killed, through
-            # their nannies): mpiexec then ends at once, where a SIGTERM to it would wait
-            # seconds for engines that do not act on it. Engines that do not exit are still
-            # ended by the launcher's SIGTERM and SIGKILL.
+            # Ask first: idle engines exit 0 at once. A busy engine acts on the request only
+            # when its cell ends, and survivors of a dead rank may be stuck: no use asking.
             with contextlib.suppress(Exception):
-                if self._broken:  # survivors of a dead rank may be stuck in a native wait
-                    # (their parents stay until the launcher's SIGTERM: no use waiting)
-                    self._client.send_signal(signal.SIGKILL, targets="all", block=False)
-                else:
+                if not self._broken and not self._client.outstanding:
                     self._client.shutdown(targets="all", block=False)
-                    self._wait_engines_exit(SHUTDOWN_WAIT_S)
+                    stopping.wait_gone(tree, ASK_S)
             self._client.close()
             self._client = None
+        stopping.terminate_then_kill(tree, engines)  # (returns at once if all are gone)
         if self._ipp is not None:
-            # mpiexec exits non-zero when its ranks are terminated; that is the expected end.
-            self._ipp.log.setLevel(logging.ERROR)
-            for launcher in [*self._ipp.engines.values(), self._ipp.controller]:
-                with contextlib.suppress(Exception):
-                    startup.read_output(launcher)
-            self._ipp.stop_cluster_sync()
+            controller = self._launcher_pids(engines=False)
+            stopping.terminate_then_kill(stopping.process_tree(controller), controller)
+            with contextlib.suppress(Exception):
+                self._ipp.stop_cluster_sync()  # ipyparallel's files and bookkeeping
             self._ipp = None
         if self._reaper is not None:
             self._reaper.wait(timeout=10)  # it exits once the cluster file is gone
@@ -207,7 +210,23 @@ class Cluster:
         if self._watch is not None:
             self._watch.remove()
             self._watch = None
+        if self.log is not None:
+            self.log.close()
         self.ranks = []
+
+    def _launcher_pids(self, *, engines: bool = True, controller: bool = True) -> list[int]:
+        """Pids of the processes ipyparallel started: the engine launchers (``mpiexec``, or
+        each local engine's parent) and the controller."""
+        if self._ipp is None:
+            return []
+        launchers = [*self._ipp.engines.values()] if engines else []
+        if controller and self._ipp.controller is not None:
+            launchers.append(self._ipp.controller)
+        return [
+            launcher.process.pid
+            for launcher in launchers
+            if getattr(launcher, "process", None) is not None
+        ]
 
     def restart(self, n: int | None = None) -> Cluster:
         """Stop everything and start fresh ranks with the same options (``n`` ranks if given).
@@ -586,17 +605,6 @@ class Cluster:
             flush=True,
         )
         return report
-
-    def _wait_engines_exit(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for the engine launchers' processes (``mpiexec``) to end."""
-        pids = [
-            launcher.process.pid
-            for launcher in (self._ipp.engines.values() if self._ipp is not None else [])
-            if getattr(launcher, "process", None) is not None
-        ]
-        deadline = time.monotonic() + seconds
-        while any(reaper.alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
 
     def _reform_world(self) -> None:
         """Every rank leaves the severed process group and joins a fresh one."""

@@ -30,9 +30,30 @@ ENGINE_CMD = [
     "axon_nb.rank.launch",
     sys.executable,
     "-m",
-    "ipyparallel.engine",
+    "axon_nb.rank.engine",
 ]
-"""What ``mpiexec`` starts on each rank: the engine under its parent, ``rank/launch.py``."""
+"""What ``mpiexec`` starts on each rank: the engine (``rank/engine.py``: ipyparallel's, with
+torch imported on a side thread) under its parent, ``rank/launch.py``."""
+
+ENGINE_ARGS = ["--IPEngine.timeout=120"]
+"""The engine waits this long for the controller to answer its registration. ipyparallel's 5 s
+default is too short on a loaded machine: the engine gave up and exited before the controller
+(busy starting) answered, and the start failed with "0 of N engines connected"."""
+
+CONTROLLER_ARGS = [
+    "--IPController.use_threads=True",
+    "--HeartMonitor.period=250",
+    "--HeartMonitor.max_heartmonitor_misses=120",
+]
+"""The controller's schedulers run as threads of one process instead of eight processes (the
+messages a cluster sends are few and small), and it beats every 0.25 s instead of 3 s: an engine
+is counted as connected only after a heartbeat, which cost up to 6 s of every start. An engine
+is dropped after 30 s without answering a beat (it answers from a thread outside the GIL)."""
+
+
+def engine_environment(log_path: str) -> dict[str, str]:
+    """What every engine launcher adds to the ranks' environment: where engines write."""
+    return {"AXON_NB_ENGINE_LOG": log_path}
 
 
 def find_mpiexec(kind: str = "mpiexec") -> str:
@@ -69,7 +90,7 @@ LOOPBACK_MPI_ENV = {
 through shared memory anyway)."""
 
 
-def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions) -> None:
+def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions, log_path: str) -> None:
     """One host: MPICH's ``gforker``, which starts the ranks as its own children and talks to
     them over socket pairs, so nothing listens beyond loopback (hydra's ``mpiexec`` listens on
     all interfaces for its proxies). Elsewhere (another MPI): its ``mpiexec``.
@@ -93,7 +114,8 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions) -> None:
             mpiexec = find_mpiexec()
         environment = dict(LOOPBACK_MPI_ENV)
     launcher.mpi_cmd = [mpiexec]
-    launcher.environment = environment
+    launcher.environment = {**environment, **engine_environment(log_path)}
+    launcher.engine_args = ["--mpi", *ENGINE_ARGS]
     # A rank killed by a signal must not take the others with it (hydra's and gforker's
     # process managers end the rest): its parent, ``rank/launch.py``, keeps its MPI slot, and
     # the survivors keep their state (``cluster.rescue``).
@@ -116,12 +138,12 @@ its nodes with ``srun``, and the ranks under them (``{program_and_args}``: the e
 which ipyparallel fills in)."""
 
 
-def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions) -> None:
+def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: str) -> None:
     """Ranks in a Slurm job. Inside an allocation (this kernel runs in one), hydra's
     ``mpiexec`` uses it directly; elsewhere ipyparallel's Slurm launcher submits
     :data:`SLURM_JOB` with ``sbatch`` (``--partition``, ``--time``) and ``scancel`` stops it."""
     mpiexec = find_mpiexec("mpiexec.hydra")
-    environment = _network_mpi_env(options.iface)
+    environment = {**_network_mpi_env(options.iface), **engine_environment(log_path)}
     _bind_controller(cluster, primary_address())  # where the job's nodes reach this host
     if os.environ.get("SLURM_JOB_ID"):
         cluster.engine_launcher_class = "mpi"
@@ -129,6 +151,7 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions) -> None:
         launcher.mpi_cmd = [mpiexec]
         launcher.mpi_args = ["-disable-auto-cleanup"]
         launcher.engine_cmd = ENGINE_CMD
+        launcher.engine_args = ["--mpi", *ENGINE_ARGS]
         launcher.environment = environment
         return
     cluster.engine_launcher_class = "slurm"
@@ -139,7 +162,7 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions) -> None:
     launcher.batch_file_name = os.path.join(log_dir, f"axon-slurm-{cluster.cluster_id}.sbatch")
     launcher.batch_template = SLURM_JOB.replace("{mpiexec}", mpiexec).replace("{log_dir}", log_dir)
     launcher.engine_cmd = ENGINE_CMD
-    launcher.engine_args = ["--mpi"]
+    launcher.engine_args = ["--mpi", *ENGINE_ARGS]
     launcher.environment = environment
     if options.partition:
         launcher.queue = options.partition
@@ -179,11 +202,15 @@ def route_address(host: str) -> str:
         raise ClusterStartError(f"cannot reach host {host!r} from here: {e}") from None
 
 
-def _configure_local(cluster: ipp.Cluster, options: ClusterOptions) -> None:
+def _configure_local(cluster: ipp.Cluster, options: ClusterOptions, log_path: str) -> None:
     cluster.engine_launcher_class = "local"
+    launcher = cluster.config.LocalEngineSetLauncher
+    launcher.engine_cmd = ENGINE_CMD
+    launcher.engine_args = ENGINE_ARGS
+    launcher.environment = engine_environment(log_path)
 
 
-LAUNCHERS: dict[str, Callable[[ipp.Cluster, ClusterOptions], None]] = {
+LAUNCHERS: dict[str, Callable[[ipp.Cluster, ClusterOptions, str], None]] = {
     "mpi": _configure_mpi,
     "local": _configure_local,
     "slurm": _configure_slurm,

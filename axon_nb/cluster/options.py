@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+from dataclasses import dataclass, field
 
 from axon_nb.rank.placement import BACKENDS
 
@@ -36,6 +38,12 @@ class ClusterOptions:
     iface: str | None = None
     """With ``hosts``: the network interface the ranks use (gloo, NCCL, MPI and the
     rendezvous); None: the one that routes to this kernel's host."""
+
+    oversubscribe: bool = field(
+        default_factory=lambda: os.environ.get("AXON_NB_OVERSUBSCRIBE", "") == "1"
+    )
+    """Start more ranks on this host than it has devices (GPUs, or cores on CPU); without it
+    such a start is refused. Default: ``AXON_NB_OVERSUBSCRIBE=1`` in the environment."""
 
     partition: str | None = None
     """``engines="slurm"``: the partition to submit to (None: the default one)."""
@@ -74,16 +82,27 @@ class ClusterOptions:
             )
         for name in ("timeout", "start_timeout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            if not _positive_seconds(value):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(
+                    f"{name} must be a positive, finite number of seconds, got {value!r}: "
+                    f"e.g. `%axon_cluster 4 {flag} 300`"
+                )
         hang = self.hang_timeout
-        if hang is not None and (
-            isinstance(hang, bool) or not isinstance(hang, int | float) or not hang > 0
-        ):
+        if hang is not None and not _positive_seconds(hang):
             raise ValueError(
-                f"hang_timeout must be a positive number of seconds, got {hang!r}: e.g. "
+                f"hang_timeout must be a positive, finite number of seconds, got {hang!r}: e.g. "
                 "`%axon_cluster 4 --hang-timeout 300`, or leave it out to never report hangs"
             )
+
+
+def _positive_seconds(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def _check_hosts(hosts: tuple[tuple[str, int], ...], n: int, engines: str) -> None:

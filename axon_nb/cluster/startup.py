@@ -12,8 +12,9 @@ from typing import Any
 import ipyparallel as ipp
 import psutil
 
-from axon_nb.cluster import reaper
+from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
+from axon_nb.cluster.stopping import alive
 from axon_nb.cluster.waiting import results
 from axon_nb.errors import ClusterStartError, RankError
 from axon_nb.rank import entry
@@ -41,13 +42,11 @@ def wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, options: ClusterO
         # Spawning takes milliseconds; a rank missing for a while has exited.
         if stopped or (short_since and now - short_since > RANK_GONE_S):
             raise ClusterStartError(
-                f"a rank exited while starting ({len(client.ids)} of {n} engines "
-                f"connected){launcher_output(cluster)}"
+                f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
             )
         if now - started > timeout:
             raise ClusterStartError(
-                f"only {len(client.ids)} of {n} engines connected within "
-                f"{timeout:.0f} s{launcher_output(cluster)}"
+                f"only {len(client.ids)} of {n} engines connected within {timeout:.0f} s"
             )
         time.sleep(0.2)
 
@@ -64,7 +63,7 @@ def local_rank_processes(cluster: ipp.Cluster) -> int | None:
         for proc in below:
             try:
                 if "axon_nb.rank.launch" in proc.cmdline():
-                    count += sum(reaper.alive(c.pid) for c in proc.children())
+                    count += sum(alive(c.pid) for c in proc.children())
             except psutil.Error:
                 continue
     return count or None
@@ -124,20 +123,27 @@ def _join_planned_by_kernel(
     return results(wait(merged, targets))
 
 
-def launcher_output(cluster: ipp.Cluster | None) -> str:
-    """The tail of what the engine launcher (mpiexec) printed, to explain a failed start."""
-    if cluster is None:
+def log_tail(log: ClusterLog | None, lines: int = 15) -> str:
+    """The end of the cluster's log and where the whole of it is, to explain a failure."""
+    if log is None:
         return ""
-    tails = []
-    for launcher in cluster.engines.values():
+    tail = "\n".join(ln for ln in log.tail(200).splitlines() if ln.strip())
+    tail = "\n".join(tail.splitlines()[-lines:])
+    return f"The cluster's log ({log.path}) ends:\n{tail}" if tail else f"Log: {log.path}"
+
+
+def copy_launcher_output(cluster: ipp.Cluster, log: ClusterLog) -> None:
+    """Append what the controller and MPI launcher printed to the cluster's log (ipyparallel
+    removes its own files when it stops)."""
+    for launcher in [*cluster.engines.values(), cluster.controller]:
+        if launcher is None:
+            continue
         try:
-            text = read_output(launcher)
+            text = read_output(launcher).strip()
         except Exception:
             continue
-        lines = [ln for ln in text.splitlines() if "[IPEngine" not in ln][-15:]
-        if lines:
-            tails.append("\n".join(lines))
-    return ("\nengine launcher output:\n" + "\n".join(tails)) if tails else ""
+        if text:
+            log.logger.info("output of %s:\n%s", launcher.identifier, text)
 
 
 def read_output(launcher: Any) -> str:

@@ -1,4 +1,5 @@
-"""The process ``mpiexec`` starts for each rank: it runs the rank's engine as its child.
+"""The process ``mpiexec`` starts for each rank: it runs the rank's engine as its child, and
+ends it whatever the engine is doing.
 
 MPICH's process managers end every rank when one is killed by a signal or leaves its MPI
 connection unfinished (hydra's proxy whatever ``-disable-auto-cleanup`` says; gforker always).
@@ -7,63 +8,135 @@ and ``cluster.rescue`` could not save it. This parent holds the rank's MPI conne
 inherited it) and, when the engine is killed, stays until the cluster is stopped, so the
 process manager sees nothing and the other ranks live on.
 
-The engine inherits the environment and every file descriptor (MPI's ``PMI_FD`` among them).
-It shares this process group (hydra signals the group), SIGINT, SIGTERM and SIGHUP sent to this
-process are passed on to it (gforker signals its children only), and it is SIGKILLed if this
-process dies, so stopping the launcher never leaves an engine behind. Usage (what
-``cluster/launchers.py`` configures)::
+Stopping (``axon_nb.spec.stop_waits``): SIGTERM or SIGHUP to this process, or the death of its
+own parent (the MPI launcher or hydra's proxy on this host), is passed on to the engine as
+SIGTERM; if the engine has not exited ``TERM_S`` later (busy in a cell, stuck in a collective,
+holding the GIL in native code) its whole process tree (engine and nanny) is SIGKILLed.
+SIGINT is passed on as it is.
 
-    mpiexec -n 4 python -m axon_nb.rank.launch python -m ipyparallel.engine --mpi
+The engine inherits the environment and every file descriptor (MPI's ``PMI_FD`` among them)
+except its output: with ``AXON_NB_ENGINE_LOG`` set (the cluster's owner-only log file) the
+engine writes there, so no pipe of the MPI launcher lies between an engine and its log. It
+shares this process group (hydra signals the group) and is SIGKILLed if this process dies.
+Usage (what ``cluster/launchers.py`` configures)::
+
+    mpiexec -n 4 python -m axon_nb.rank.launch python -m axon_nb.rank.engine --mpi
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import sys
+import time
 
-_PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+import psutil
+
+from axon_nb.spec.stop_waits import TERM_S
+
+LOG_ENV = "AXON_NB_ENGINE_LOG"
+"""The file the engine's output goes to (set by ``cluster/launchers.py``)."""
+
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    """(In the child, before exec) be SIGKILLed when this parent dies (Linux)."""
+def _set_death_signal(signum: int) -> None:
+    """Get ``signum`` when the parent of the calling process dies (Linux; a no-op elsewhere)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
     except (OSError, AttributeError):
         pass
+
+
+def _die_with_parent() -> None:
+    """(In the child, before exec) be SIGKILLed when this parent dies."""
+    _set_death_signal(signal.SIGKILL)
+
+
+def _engine_output() -> int | None:
+    """The log file to give the engine as stdout and stderr, None to inherit ours."""
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError:  # another host, without the kernel's file system: mpiexec forwards it
+        return None
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process below it (collected first: the nanny, in a session
+    of its own, would be re-parented once the engine is gone)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in tree:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+class _Stopping:
+    """What the signal handlers saw: when the engine was told to stop (monotonic time)."""
+
+    since: float | None = None
 
 
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m axon_nb.rank.launch COMMAND [ARGS...]", file=sys.stderr)
         return 2
+    parent = os.getppid()
+    _set_death_signal(signal.SIGTERM)  # the MPI launcher died: stop the engine too
     # Hydra's notice that another rank failed. SIG_IGN is inherited through exec, so the
     # engine ignores it too until its watch thread registers faulthandler on it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    child = subprocess.Popen(argv, close_fds=False, preexec_fn=_die_with_parent)
-    stop = []
+    output = _engine_output()
+    child = subprocess.Popen(
+        argv, close_fds=False, preexec_fn=_die_with_parent, stdout=output, stderr=output
+    )
+    if output is not None:
+        os.close(output)
+    stopping = _Stopping()
 
     def pass_on(signum: int, frame: object) -> None:
+        if signum != signal.SIGINT and stopping.since is None:
+            stopping.since = time.monotonic()
+            signum = signal.SIGTERM
         if child.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(signum)
-        stop.append(signum)
 
-    for signum in _PASSED_ON:
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, pass_on)
-    code = child.wait()
+    if os.getppid() != parent:  # it died before the death signal was set
+        pass_on(signal.SIGTERM, None)
+    code = _wait(child, stopping)
     if code >= 0:
         return code
+    if stopping.since is not None:  # ended by the stop: not a failure
+        return 0
     # Killed by a signal. Exiting now would close this rank's MPI connection unfinished, on
     # which the process manager ends every other rank: keep the slot until the cluster stops.
     print(f"axon_nb: engine {child.pid} was killed by signal {-code}", file=sys.stderr, flush=True)
-    while not stop:
+    while stopping.since is None:
         signal.pause()
     return 128 - code
+
+
+def _wait(child: subprocess.Popen[bytes], stopping: _Stopping) -> int:
+    """The engine's exit code; SIGKILLs its tree ``TERM_S`` after a stop was asked."""
+    while True:
+        try:
+            return child.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            if stopping.since is not None and time.monotonic() - stopping.since > TERM_S:
+                _kill_tree(child.pid)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,77 @@
+"""Each cluster's log file: what its controller, MPI launcher and engines print, kept out of
+the notebook and named by the errors that need it (a failed start, a dead rank).
+
+Files live in ``$XDG_STATE_HOME/axon_nb/logs`` (``~/.local/state/axon_nb/logs``), owner-only
+(directory 0700, files 0600); the newest :data:`KEEP` are kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+KEEP = 20
+"""How many clusters' logs are kept (older ones are removed when a cluster starts)."""
+
+
+def log_dir() -> Path:
+    """The owner-only directory of the clusters' logs (made on first use)."""
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(Path.home(), ".local", "state")
+    path = Path(state) / "axon_nb" / "logs"
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+class ClusterLog:
+    """One cluster's log file and the logger that writes to it (never to the notebook).
+
+    Example::
+
+        log = ClusterLog.create()
+        log.logger.warning("engine set stopped")
+        print(log.tail(5))
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.logger = logging.getLogger(f"axon_nb.cluster.{path.stem}")
+        self.logger.propagate = False
+        self.logger.setLevel(logging.INFO)
+        self._handler = logging.FileHandler(path, encoding="utf-8")
+        self._handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        self.logger.addHandler(self._handler)
+
+    @classmethod
+    def create(cls) -> ClusterLog:
+        """A new, empty log file for a cluster starting now (older logs beyond KEEP go)."""
+        directory = log_dir()
+        _prune(directory)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = directory / f"cluster-{stamp}-{os.getpid()}-{time.monotonic_ns() % 10**6}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
+        return cls(path)
+
+    def tail(self, lines: int = 15) -> str:
+        """The last ``lines`` lines of the file (undecodable bytes replaced)."""
+        try:
+            text = self.path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        """Stop writing (the file stays for the errors that named it)."""
+        self.logger.removeHandler(self._handler)
+        self._handler.close()
+
+
+def _prune(directory: Path) -> None:
+    logs = sorted(directory.glob("cluster-*.log"), key=lambda p: p.stat().st_mtime)
+    for old in logs[: max(0, len(logs) - KEEP + 1)]:
+        with contextlib.suppress(OSError):
+            old.unlink()

@@ -1,0 +1,87 @@
+"""Ending a cluster's processes on this host, whatever the ranks are doing: the SIGTERM and
+SIGKILL steps of ``axon_nb.spec.stop_waits``, shared by ``Cluster.stop`` and the reaper.
+
+The tree is collected before anything is signalled: once an engine's parent is gone its nanny
+(in a session of its own) is re-parented and could no longer be found from the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Iterable
+
+import psutil
+
+from axon_nb.spec.stop_waits import KILL_AFTER_S
+
+RANK_PARENT = "axon_nb.rank.launch"
+"""The module each rank's parent runs (``rank/launch.py``); SIGTERM to it stops its rank."""
+
+
+def alive(pid: int) -> bool:
+    """True while process ``pid`` runs (a zombie has ended)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def process_tree(roots: Iterable[int]) -> list[psutil.Process]:
+    """``roots`` and every process below them, as they are now (roots first)."""
+    tree: list[psutil.Process] = []
+    for pid in roots:
+        try:
+            root = psutil.Process(pid)
+            tree += [root, *root.children(recursive=True)]
+        except psutil.Error:
+            continue
+    return tree
+
+
+def wait_gone(procs: Iterable[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """Wait up to ``seconds`` for ``procs`` to end; those still running."""
+    _, left = psutil.wait_procs(list(procs), timeout=max(seconds, 0.0))
+    return [p for p in left if _running(p)]
+
+
+def terminate_then_kill(tree: list[psutil.Process], roots: Iterable[int]) -> list[int]:
+    """SIGTERM the ``roots`` (the launchers) and the rank parents in ``tree``, wait
+    ``KILL_AFTER_S``, SIGKILL the rest; the pids still running at the SIGKILL (empty when
+    SIGTERM sufficed)."""
+    roots = set(roots)
+    for proc in tree:
+        if proc.pid in roots or _is_rank_parent(proc):
+            _send(proc, signal.SIGTERM)
+    left = wait_gone(tree, KILL_AFTER_S)
+    for proc in left:
+        _send(proc, signal.SIGKILL)
+    wait_gone(left, 2.0)
+    return [p.pid for p in left]
+
+
+def kill(tree: list[psutil.Process]) -> None:
+    """SIGKILL every process of ``tree`` at once (a rank known dead leaves nothing to ask)."""
+    for proc in tree:
+        _send(proc, signal.SIGKILL)
+    wait_gone(tree, 2.0)
+
+
+def _is_rank_parent(proc: psutil.Process) -> bool:
+    try:
+        return RANK_PARENT in proc.cmdline()
+    except psutil.Error:
+        return False
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _send(proc: psutil.Process, sig: int) -> None:
+    with contextlib.suppress(psutil.Error, ProcessLookupError):
+        if proc.is_running():
+            proc.send_signal(sig)

@@ -1,0 +1,33 @@
+"""A rank's engine process: ipyparallel's engine, with torch imported on a side thread while
+the engine connects and registers.
+
+Importing torch is most of a rank's start-up (about 1.4 s of CPU here); done after
+registration, the first cell waits for it. The side thread overlaps it with the engine's own
+imports and its registration with the controller, so the world is joined as soon as the
+engines are. The import runs off the main thread, so a Ctrl-C cannot land inside it (see
+``rank/interrupts.py``). Usage (what ``cluster/launchers.py`` configures)::
+
+    python -m axon_nb.rank.launch python -m axon_nb.rank.engine --mpi
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+def _import_torch() -> None:
+    # A failure is reported where torch is first used, on the main thread.
+    with contextlib.suppress(Exception):
+        import torch.distributed  # noqa: F401
+
+
+def main() -> None:
+    threading.Thread(target=_import_torch, name="axon-import-torch", daemon=True).start()
+    from ipyparallel.engine.app import main as engine_main
+
+    engine_main()
+
+
+if __name__ == "__main__":
+    main()
