@@ -16,6 +16,8 @@ import axon_nb
 _TESTS = str(Path(__file__).parent)
 
 collect_ignore = ["server_ext"]  # run under Jupyter Server's plugin by test_server_ext.py
+# The suite runs 4 ranks on 2-core machines: more ranks than cores, on purpose.
+os.environ["AXON_NB_OVERSUBSCRIBE"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
 
 

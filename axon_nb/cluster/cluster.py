@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import os
@@ -165,6 +166,9 @@ class Cluster:
             raise ClusterStartError(f"{e}\n{startup.log_tail(self.log)}") from e
         self._broken = None
         self._dead = set()
+        # Before ipyparallel's own exit hook (registered earlier, so run later): a stop that
+        # ends busy ranks too (see stop_waits). A killed kernel is the reaper's.
+        atexit.register(self.stop)
         self._registry = LabRegistry.for_kernel(self)
         if self._registry is not None:
             self._registry.start()
@@ -179,6 +183,7 @@ class Cluster:
             print("(Ctrl-C was held until the cluster had stopped)", file=sys.stderr)
 
     def _stop(self) -> None:
+        atexit.unregister(self.stop)
         if self._registry is not None:
             self._registry.close()
             self._registry = None
@@ -219,7 +224,10 @@ class Cluster:
         each local engine's parent) and the controller."""
         if self._ipp is None:
             return []
-        launchers = [*self._ipp.engines.values()] if engines else []
+        launchers = []
+        for engine_set in self._ipp.engines.values() if engines else []:
+            # (a local engine set is one launcher per engine; an MPI set is one mpiexec)
+            launchers += getattr(engine_set, "launchers", {}).values() or [engine_set]
         if controller and self._ipp.controller is not None:
             launchers.append(self._ipp.controller)
         return [

@@ -1,0 +1,142 @@
+"""Every stop path ends every rank process within 10 s, whatever the ranks are doing.
+
+Asserted by pid: the processes under the kernel (controller, MPI launcher, each rank's parent,
+engine and nanny) are collected before the stop and must all be gone after it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+from busy import MODES, train_forever
+from helpers import wait_gone
+from IPython.core.error import UsageError
+
+import axon_nb
+from axon_nb.spec.stop_waits import ASK_S, KILL_AFTER_S
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+
+STOP_S = 10.0
+"""What the README promises for every stop path."""
+
+
+def cluster_pids() -> list[int]:
+    """This process's descendants: the cluster's processes (and its reaper)."""
+    return [p.pid for p in psutil.Process().children(recursive=True)]
+
+
+def make_busy(cluster: axon_nb.Cluster, mode: str) -> None:
+    if mode == "train":
+        train_forever(cluster)
+    else:
+        cluster.apply(cluster.targets(), MODES[mode])
+    time.sleep(1.5)  # well inside the call
+
+
+def test_the_waits_fit_the_promise() -> None:
+    assert ASK_S + KILL_AFTER_S + 2.0 < STOP_S
+
+
+@pytest.mark.parametrize("mode", ["train", "sleep", "collective", "native"])
+def test_stop_ends_busy_ranks(mode: str) -> None:
+    cluster = axon_nb.Cluster(n=2, timeout=60).start()
+    pids = cluster_pids()
+    assert len(pids) >= 8  # controller, mpiexec, reaper, and 3 per rank
+    make_busy(cluster, mode)
+    started = time.monotonic()
+    cluster.stop()
+    assert wait_gone(pids, seconds=0.5) == []
+    assert time.monotonic() - started < STOP_S
+
+
+@pytest.mark.parametrize(("engines", "n"), [("local", 2), ("mpi", 4)])
+def test_stop_ends_ranks_stuck_in_a_collective(engines: str, n: int) -> None:
+    cluster = axon_nb.Cluster(n=n, engines=engines, timeout=60, oversubscribe=True).start()
+    pids = cluster_pids()
+    make_busy(cluster, "collective")
+    started = time.monotonic()
+    cluster.stop()
+    assert wait_gone(pids, seconds=0.5) == []
+    assert time.monotonic() - started < STOP_S
+
+
+def test_magic_stop_and_restart_end_busy_ranks(shell, capsys) -> None:
+    shell.run_line_magic("axon_cluster", "2 --timeout 60")
+    cluster = axon_nb.current_cluster()
+    first = cluster_pids()
+    make_busy(cluster, "sleep")
+    started = time.monotonic()
+    shell.run_line_magic("axon_cluster", "--restart")
+    assert wait_gone(first, seconds=0.5) == []
+    assert time.monotonic() - started < STOP_S + 5  # (and a new start)
+    second = axon_nb.current_cluster()
+    assert second.run(lambda: 1) == [1, 1]
+    pids = cluster_pids()
+    make_busy(second, "native")
+    capsys.readouterr()
+    started = time.monotonic()
+    shell.run_line_magic("axon_cluster", "--stop")
+    assert wait_gone(pids, seconds=0.5) == []
+    assert time.monotonic() - started < STOP_S
+    assert capsys.readouterr().out == "Stopped the cluster (2 ranks).\n"
+
+
+def test_a_clean_stop_is_one_line_and_every_engine_exits_0(shell, capsys) -> None:
+    shell.run_line_magic("axon_cluster", "2 --timeout 60")
+    cluster = axon_nb.current_cluster()
+    log = cluster.log
+    assert log is not None and log.path.stat().st_mode & 0o077 == 0  # owner-only
+    capsys.readouterr()
+    shell.run_line_magic("axon_cluster", "--stop")
+    captured = capsys.readouterr()
+    assert captured.out == "Stopped the cluster (2 ranks).\n"
+    assert captured.err == ""
+    text = log.path.read_text()
+    assert "Registering with controller" in text  # the engines' log went to the file
+    assert "exit_code" not in text or "'exit_code': 0" in text
+
+
+# -- refused before anything is launched -------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
+@pytest.mark.parametrize("flag", ["--timeout", "--hang-timeout"])
+def test_bad_timeouts_are_refused_before_launching(shell, flag: str, value: str) -> None:
+    before = set(cluster_pids())
+    started = time.monotonic()
+    with pytest.raises(UsageError, match="positive, finite number of seconds"):
+        shell.run_line_magic("axon_cluster", f"2 {flag} {value}")
+    assert time.monotonic() - started < 1.0
+    assert set(cluster_pids()) <= before
+
+
+def test_missing_gpus_are_refused_before_launching() -> None:
+    before = set(cluster_pids())
+    started = time.monotonic()
+    with pytest.raises(axon_nb.ClusterStartError, match=r"cuda:7, cuda:8, which this host lacks"):
+        axon_nb.Cluster(n=2, gpus=[7, 8]).start()
+    assert time.monotonic() - started < 1.0
+    assert set(cluster_pids()) <= before
+
+
+def test_more_ranks_than_cores_need_oversubscribe(shell, monkeypatch) -> None:
+    monkeypatch.delenv("AXON_NB_OVERSUBSCRIBE", raising=False)
+    before = set(cluster_pids())
+    cores = len(psutil.Process().cpu_affinity() or [])
+    with pytest.raises(axon_nb.ClusterStartError, match="pass --oversubscribe"):
+        shell.run_line_magic("axon_cluster", str(cores + 1))
+    with pytest.raises(axon_nb.ClusterStartError, match="GiB free: start at most"):
+        axon_nb.Cluster(n=100_000, oversubscribe=True).start()
+    assert set(cluster_pids()) <= before
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [("'unbalanced", "close the quotes"), ("--verbose train.py", "has no option '--verbose'")],
+)
+def test_axon_run_refuses_bad_command_lines(shell, line: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("axon_run", line)
