@@ -19,6 +19,12 @@ def test_quickstart_executes(tmp_path: Path) -> None:
     assert "[rank 0] rank 0 of 2 on cpu" in text
     assert "[rank 1] [3.0, 3.0, 3.0]" in text
     assert "Stopped the cluster (2 ranks)" in text
+    # A clean stop is one line: no engine log, no ipyparallel notice, nothing on stderr.
+    [stop] = [c for c in nb.cells if c.cell_type == "code" and "--stop" in c.source]
+    assert [(o["output_type"], o.get("name"), o.get("text")) for o in stop.outputs] == [
+        ("stream", "stdout", "Stopped the cluster (2 ranks).\n")
+    ]
+    assert "Logging error" not in text and "BrokenPipe" not in text
 
 
 def test_sharding_notebook_executes(tmp_path: Path) -> None:

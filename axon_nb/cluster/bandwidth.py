@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from axon_nb.rank import entry
 from axon_nb.tables import html_table, text_table
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
@@ -196,15 +197,13 @@ def bandwidth(
     rows: list[dict[str, Any]] = []
     for axis in axes(cluster.ranks):
         rows += cluster.run(
-            _measure, names, byte_sizes, iters=iters, warmup=warmup, axis=axis, stream=False
+            entry.measure_collectives,
+            names,
+            byte_sizes,
+            iters=iters,
+            warmup=warmup,
+            axis=axis,
+            stream=False,
         )[0]
     cluster.bandwidth_results = BandwidthReport(rows)
     return cluster.bandwidth_results
-
-
-def _measure(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
-    """(On a rank) :func:`axon_nb.rank.collective_timing.measure`, imported there (it needs
-    torch)."""
-    from axon_nb.rank.collective_timing import measure
-
-    return measure(*args, **kwargs)

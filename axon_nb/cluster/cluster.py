@@ -23,6 +23,7 @@ from axon_nb.cluster.lab_registry import LabRegistry
 from axon_nb.cluster.launchers import CONTROLLER_ARGS, LAUNCHERS
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions, parse_hosts
+from axon_nb.cluster.sending import call_args
 from axon_nb.cluster.stacks import StackReport
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.errors import (
@@ -345,7 +346,7 @@ class Cluster:
         """
         from axon_nb.estimate import ModelProfile
 
-        [measured] = self.run(_profile_on_rank, model, data, loss, samples, ranks=[0],
+        [measured] = self.run(entry.profile_model, model, data, loss, samples, ranks=[0],
                               stream=False)  # fmt: skip
         return ModelProfile.from_dict(measured)
 
@@ -525,9 +526,12 @@ class Cluster:
         self, targets: list[int], fn: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> tuple[ipp.AsyncResult, bool]:
         """Send ``fn(*args, **kwargs)`` to ``targets`` without waiting: its ``AsyncResult``, and
-        whether a Ctrl-C came while sending (held back; pass it to :meth:`wait`)."""
+        whether a Ctrl-C came while sending (held back; pass it to :meth:`wait`).
+
+        Every feature sends its work this way (``cluster/sending.py``), so functions defined
+        in the notebook work everywhere."""
         with held_interrupts() as held:
-            ar = self.view(targets).apply_async(fn, *args, **kwargs)
+            ar = self.view(targets).apply_async(*call_args(fn, args, kwargs))
         return ar, held.arrived
 
     def view(self, targets: list[int]) -> ipp.DirectView:
@@ -633,10 +637,3 @@ class Cluster:
         return self.wait(
             ar, targets, stream=True, timeout=self.options.start_timeout, watch_hangs=False
         )
-
-
-def _profile_on_rank(model: Any, data: Any, loss: Any, samples: int) -> dict[str, Any]:
-    """(On a rank) ``axon_nb.rank.model_probe.profile_from``."""
-    from axon_nb.rank.model_probe import profile_from
-
-    return profile_from(model, data, loss, samples)

@@ -16,6 +16,7 @@ import contextlib
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.errors import AxonError
+from axon_nb.rank import entry
 
 if TYPE_CHECKING:
     import distributed
@@ -44,7 +45,7 @@ class DaskOnRanks:
         self.close()
         host = _scheduler_host(cluster)
         address = _start_scheduler(cluster, host)
-        cluster.view(cluster.targets()).apply_sync(_start_rank_worker, address)
+        cluster.run(entry.start_dask_worker, address, stream=False)
         import distributed
 
         client = distributed.Client(address, timeout=START_TIMEOUT_S, set_as_default=True)
@@ -103,13 +104,6 @@ def _start_scheduler(cluster: Cluster, host: str) -> str:
     if reply["content"]["status"] != "ok":
         raise AxonError(f"the controller could not start a dask scheduler: {reply['content']}")
     return str(reply["content"]["address"])
-
-
-def _start_rank_worker(scheduler: str) -> None:
-    """(On a rank) start its worker, named for the rank."""
-    from axon_nb.rank import dask_worker, runtime
-
-    dask_worker.start_worker(scheduler, f"rank-{runtime.context().rank}")
 
 
 def _workers_by_rank(client: Any) -> dict[int, str]:

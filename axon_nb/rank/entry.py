@@ -17,6 +17,18 @@ if TYPE_CHECKING:
     from axon_nb.rank.placement import Probe, RankPlan
 
 
+# -- the one way in for work --------------------------------------------------------------
+
+
+def call(packed: bytes) -> Any:
+    """Run a call the kernel packed (``cluster/sending.py``): a function and its arguments,
+    pickled with cloudpickle so that functions defined in a notebook bring their globals."""
+    import pickle
+
+    fn, args, kwargs = pickle.loads(packed)
+    return fn(*args, **kwargs)
+
+
 # -- joining the world ----------------------------------------------------------------------
 
 
@@ -131,3 +143,37 @@ def rank_status() -> dict[str, Any]:
     from axon_nb.rank import rank_status
 
     return rank_status.rank_status()
+
+
+# -- features: each imports its implementation on the rank ----------------------------------
+
+
+def profile_model(model: Any, data: Any, loss: Any, samples: int) -> dict[str, Any]:
+    """One probe forward and backward of ``model`` (``Cluster.profile``)."""
+    from axon_nb.rank.model_probe import profile_from
+
+    return profile_from(model, data, loss, samples)
+
+
+def measure_collectives(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """Collective bandwidth on this rank's axis (``Cluster.bandwidth``)."""
+    from axon_nb.rank.collective_timing import measure
+
+    return measure(*args, **kwargs)
+
+
+def drop_run(name: str) -> None:
+    """Forget a training run's state (``compare`` between candidates)."""
+    import gc
+
+    from axon_nb.rank import trainstate
+
+    trainstate.drop(name)
+    gc.collect()
+
+
+def start_dask_worker(scheduler: str) -> None:
+    """Start this rank's dask worker, named for the rank (``Cluster.dask``)."""
+    from axon_nb.rank import dask_worker, runtime
+
+    dask_worker.start_worker(scheduler, f"rank-{runtime.context().rank}")

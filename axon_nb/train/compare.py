@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.errors import ClusterBrokenError, RankDiedError, RankError
+from axon_nb.rank import entry
 from axon_nb.strategies import DDP, resolve_strategy
 from axon_nb.tables import html_table, text_table
 
@@ -35,8 +36,9 @@ class Comparison:
     """One row per candidate: ``strategy``, ``status`` (``ok`` or why not), ``samples_per_s``,
     ``peak_bytes`` (the largest rank's), ``comm_bytes_per_step`` (the busiest rank's) and
     ``comm_time_share`` (of the step time, rank 0), ``loss`` (the last), and the predictions
-    ``predicted_peak_bytes`` and ``predicted_comm_bytes`` (None where the model could not be
-    profiled); a table in the notebook and as text."""
+    ``predicted_peak_bytes`` and ``predicted_comm_bytes`` (None where there is none, and then
+    ``prediction_note`` says why, also in the table's status column); a table in the notebook
+    and as text."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -53,12 +55,13 @@ HEAD = ("strategy", "samples/s", "peak memory", "predicted", "comm/step", "predi
 
 def _cells(r: dict[str, Any]) -> tuple[str, ...]:
     predicted = (_mib(r.get("predicted_peak_bytes"), 1), _mib(r.get("predicted_comm_bytes"), 2))
+    status = "; ".join(s for s in (r["status"], r.get("prediction_note")) if s)
     if r["status"] != "ok":
-        return (r["strategy"], "", "", predicted[0], "", predicted[1], "", "", r["status"])
+        return (r["strategy"], "", "", predicted[0], "", predicted[1], "", "", status)
     return (
         r["strategy"], f"{r['samples_per_s']:,.0f}", _mib(r["peak_bytes"], 1), predicted[0],
         _mib(r["comm_bytes_per_step"], 2), predicted[1], f"{100 * r['comm_time_share']:.0f}%",
-        f"{r['loss']:.4f}", "ok",
+        f"{r['loss']:.4f}", status,
     )  # fmt: skip
 
 
@@ -82,12 +85,14 @@ def compare(
         if banned in train:
             raise ValueError(f"compare sets {banned}= itself; leave it out")
     world = len(cluster.targets())
-    profile = _profile(cluster, train)
+    profile, not_profiled = _profile(cluster, train)
     rows = []
     for candidate in strategies:
         strategy = resolve_strategy(candidate)
         row: dict[str, Any] = {"strategy": strategy.describe()}
         row.update(_predicted(profile, strategy, world, cluster.ranks_per_host, train))
+        if not_profiled:
+            row["prediction_note"] = not_profiled
         try:
             spec = make_spec(DDP, **train, strategy=strategy, steps=steps, name=NAME)
             check_world(spec, world, cluster.ranks_per_host)
@@ -100,7 +105,7 @@ def compare(
             cluster.restart()  # the next candidate gets a whole world
         finally:
             if cluster.running:
-                cluster.run(_drop, NAME, stream=False)
+                cluster.run(entry.drop_run, NAME, stream=False)
         rows.append(row)
     return Comparison(rows)
 
@@ -121,21 +126,23 @@ def _figures(result: Any, warmup: int) -> dict[str, Any]:
     }
 
 
-def _profile(cluster: Cluster, train: dict[str, Any]) -> Any:
-    """The model's profile (on rank 0), or None where it cannot be taken (a stream, a dask
-    collection, a model that does not build): the rows then have no predictions."""
+def _profile(cluster: Cluster, train: dict[str, Any]) -> tuple[Any, str | None]:
+    """The model's profile (on rank 0) and None, or None and why it could not be taken (a
+    stream, a dask collection, a model that does not build): the rows then say why they
+    have no predictions."""
     try:
-        return cluster.profile(train.get("model"), train.get("data"), train.get("loss"))
-    except (RankError, TypeError, ValueError):
-        return None
+        return cluster.profile(train.get("model"), train.get("data"), train.get("loss")), None
+    except (RankError, TypeError, ValueError) as e:
+        return None, f"the model could not be profiled: {_first_line(e)}"
 
 
 def _predicted(
     profile: Any, strategy: Any, world: int, ranks_per_host: int, train: dict[str, Any]
 ) -> dict[str, Any]:
+    """The row's predictions, or None for each and ``prediction_note`` saying why."""
     from axon_nb.estimate import predict
 
-    if profile is None or "batch_size" not in train:
+    if profile is None:
         return {"predicted_peak_bytes": None, "predicted_comm_bytes": None}
     try:
         p = predict(
@@ -144,16 +151,14 @@ def _predicted(
             optimizer=train.get("optimizer") or "adamw",
             mixed_precision=train.get("mixed_precision"),
         )  # fmt: skip
-    except ValueError:  # the row's own run says why it cannot run
-        return {"predicted_peak_bytes": None, "predicted_comm_bytes": None}
+    except (KeyError, ValueError) as e:
+        return {
+            "predicted_peak_bytes": None,
+            "predicted_comm_bytes": None,
+            "prediction_note": f"no prediction: {_first_line(e)}",
+        }
     return {"predicted_peak_bytes": p.peak_bytes, "predicted_comm_bytes": p.comm_bytes}
 
 
-def _drop(name: str) -> None:
-    """(On a rank) forget a candidate's run."""
-    import gc
-
-    from axon_nb.rank import trainstate
-
-    trainstate.drop(name)
-    gc.collect()
+def _first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".splitlines()[0]
