@@ -54,3 +54,11 @@ def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
     finally:
         path.unlink()
         sys.modules.pop("_slow_import_probe", None)
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_at_random_moments_of_cells_and_training_in_a_kernel() -> None:
+    """benchmarks/cell_interrupt_fuzz.py with a smaller count (the benchmark fires 200)."""
+    sys.path.insert(0, _BENCHMARKS)
+    fuzz = importlib.import_module("cell_interrupt_fuzz")
+    assert fuzz.fire(12, seed=3) == 12

@@ -22,7 +22,7 @@ def test_number_of_ranks_must_be_a_positive_integer(n: object) -> None:
         ({"gpus": (0, 0)}, "lists a device twice"),
         ({"gpus": (-1,)}, "device indices"),
         ({"gpus": (0,), "backend": "nccl"}, "lists 1 device"),
-        ({"timeout": 0}, "timeout must be a positive number"),
+        ({"timeout": 0}, "timeout must be a positive, finite number"),
         ({"hosts": "node1:0"}, "bad host entry 'node1:0': write host or host:slots"),
         ({"hosts": "node1:1"}, "2 ranks do not fit the 1 slots of --hosts node1:1"),
         ({"hosts": "node1:2", "engines": "local"}, "use --engines mpi"),

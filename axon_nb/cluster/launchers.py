@@ -115,7 +115,7 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions, log_path: str)
         environment = dict(LOOPBACK_MPI_ENV)
     launcher.mpi_cmd = [mpiexec]
     launcher.environment = {**environment, **engine_environment(log_path)}
-    launcher.engine_args = ["--mpi", *ENGINE_ARGS]
+    launcher.engine_args = list(ENGINE_ARGS)  # (ipyparallel adds --mpi)
     # A rank killed by a signal must not take the others with it (hydra's and gforker's
     # process managers end the rest): its parent, ``rank/launch.py``, keeps its MPI slot, and
     # the survivors keep their state (``cluster.rescue``).
@@ -151,7 +151,7 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
         launcher.mpi_cmd = [mpiexec]
         launcher.mpi_args = ["-disable-auto-cleanup"]
         launcher.engine_cmd = ENGINE_CMD
-        launcher.engine_args = ["--mpi", *ENGINE_ARGS]
+        launcher.engine_args = list(ENGINE_ARGS)
         launcher.environment = environment
         return
     cluster.engine_launcher_class = "slurm"
