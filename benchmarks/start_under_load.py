@@ -3,9 +3,10 @@
 The "only 0 of N engines connected" failure came from ipyparallel's 5 s registration timeout:
 on a loaded machine the controller (then eight processes, busy starting) answered an engine's
 registration later than that, and the engine gave up. `--engine-timeout 5` puts that timeout
-back, to see the failure again. Prints each start and last `started/tried`.
+back, and `--ipyparallel-defaults` ipyparallel's controller too (eight processes, 3 s
+heartbeat), to see the failure again. Prints each start and last `started/tried`.
 
-    python benchmarks/start_under_load.py --count 50 [--hogs 4] [--engine-timeout 5]
+    python benchmarks/start_under_load.py --count 50 [--hogs 4] [--ipyparallel-defaults]
 """
 
 from __future__ import annotations
@@ -56,10 +57,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--count", type=int, default=50)
     parser.add_argument("--hogs", type=int, default=4)
-    parser.add_argument("--engine-timeout", type=float, default=None)
+    parser.add_argument("--ipyparallel-defaults", action="store_true")
     args = parser.parse_args()
-    if args.engine_timeout is not None:
-        launchers.ENGINE_ARGS[:] = [f"--IPEngine.timeout={args.engine_timeout}"]
+    if args.ipyparallel_defaults:
+        launchers.ENGINE_ARGS[:] = []
+        launchers.CONTROLLER_ARGS[:] = []
     started = start_many(args.count, hogs=args.hogs)
     print(f"started/tried: {started}/{args.count}")
 

@@ -130,25 +130,42 @@ def _is_sshd(pid: int) -> bool:
 
 STARTER = """
 import sys, time
-import axon_nb
+import axon_nb, busy
 cluster = axon_nb.Cluster(n=2, hosts=sys.argv[1], timeout=60, start_timeout=120).start()
+# Busy ranks: rank 0 sleeps in its cell, rank 1 holds the GIL in native code.
+cluster.apply([0], busy.sleep_in_cell)
+cluster.apply([1], busy.hold_the_gil_in_c)
+time.sleep(1.5)
 print("started", flush=True)
+if sys.argv[2] == "stop":
+    began = time.monotonic()
+    cluster.stop()
+    print(f"stopped {time.monotonic() - began:.1f}", flush=True)
 time.sleep(600)
 """
 
 
-def test_a_killed_kernel_leaves_no_process_on_any_host(hosts: NetnsHosts, tmp_path) -> None:
+@pytest.mark.parametrize(("ending", "limit"), [("stop", 10.0), ("sigkill", 15.0)])
+def test_busy_ranks_on_two_hosts_leave_no_process_on_any_host(
+    hosts: NetnsHosts, tmp_path, ending: str, limit: float
+) -> None:
     script = tmp_path / "starter.py"
     script.write_text(STARTER)
     spec = f"{hosts.addresses[0]}:1,{hosts.addresses[1]}:1"
-    proc = subprocess.Popen([sys.executable, str(script), spec], stdout=subprocess.PIPE, text=True)
+    command = [sys.executable, str(script), spec, ending]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "started"
         assert all(_ours(hosts, name) for name in hosts.names)  # a rank on each host
-        proc.send_signal(signal.SIGKILL)  # no atexit: the reaper stops the cluster
-        proc.wait(timeout=30)
-        assert _left_after(hosts, seconds=30) == [[], []]
+        started = time.monotonic()
+        if ending == "sigkill":
+            proc.send_signal(signal.SIGKILL)  # no atexit: the reaper stops the cluster
+            proc.wait(timeout=30)
+        else:
+            assert float(proc.stdout.readline().split()[1]) < limit
+        assert _left_after(hosts, seconds=limit + 10) == [[], []]
+        assert time.monotonic() - started < limit
     finally:
         proc.kill()
 

@@ -100,3 +100,17 @@ def test_twenty_starts_in_a_row_under_a_cpu_hog_all_start() -> None:
     before = _descendants()
     assert start_many(20, hogs=2, log=False) == 20
     assert wait_gone(list(_descendants() - before)) == []
+
+
+def test_an_engine_that_gives_up_registering_fails_the_start_at_once(monkeypatch) -> None:
+    """The mechanism of the "0 of N engines connected" flake: an engine whose registration
+    timed out stays alive and never connects. Now the start fails in seconds and says so."""
+    from axon_nb.cluster import launchers
+
+    monkeypatch.setattr(launchers, "ENGINE_ARGS", ["--IPEngine.timeout=0.0001"])
+    before = _descendants()
+    started = time.monotonic()
+    with pytest.raises(axon_nb.ClusterStartError, match="gave up registering"):
+        axon_nb.Cluster(n=2, start_timeout=60).start()
+    assert time.monotonic() - started < 30
+    assert wait_gone(list(_descendants() - before)) == []

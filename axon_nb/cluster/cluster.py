@@ -152,7 +152,7 @@ class Cluster:
                 os.getpid(), cluster.cluster_file, str(self._watch.path), self._launcher_pids()
             )
             self._client = cluster.connect_client_sync()
-            startup.wait_for_engines(cluster, self._client, opts)
+            startup.wait_for_engines(cluster, self._client, opts, self.log)
             self.ranks = startup.join_world(
                 self._client,
                 opts,

@@ -24,12 +24,20 @@ from axon_nb.rank.placement import PlacementError, plan_world
 RANK_GONE_S = 2.0
 """While starting, a rank process missing this long under its MPI proxy has exited."""
 
+GAVE_UP = "Registration timed out"
+"""What an ipyparallel engine logs when the controller did not answer its registration."""
+
 Wait = Callable[[ipp.AsyncResult, list[int]], dict[int, ipp.AsyncResult]]
 """Waits for one message per rank (``Cluster.wait`` with the start timeout)."""
 
 
-def wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, options: ClusterOptions) -> None:
-    """Wait for all engines to connect, failing fast when a local rank process has exited."""
+def wait_for_engines(
+    cluster: ipp.Cluster, client: ipp.Client, options: ClusterOptions, log: ClusterLog | None = None
+) -> None:
+    """Wait for all engines to connect, failing fast when a local rank process has exited, or
+    when an engine gave up registering (it then stays alive without ever connecting: the
+    "0 of N engines connected" failure, when its registration timeout was ipyparallel's 5 s
+    and the controller answered later under load)."""
     n, timeout = options.n, options.start_timeout
     started = time.monotonic()
     short_since: float | None = None
@@ -43,6 +51,11 @@ def wait_for_engines(cluster: ipp.Cluster, client: ipp.Client, options: ClusterO
         if stopped or (short_since and now - short_since > RANK_GONE_S):
             raise ClusterStartError(
                 f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
+            )
+        if log is not None and GAVE_UP in log.tail(400):
+            raise ClusterStartError(
+                f"an engine gave up registering with the controller ({len(client.ids)} of {n} "
+                "engines connected): the controller did not answer in time"
             )
         if now - started > timeout:
             raise ClusterStartError(
