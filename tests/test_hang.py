@@ -80,9 +80,7 @@ def _sum_ranks() -> float:
 
 @pytest.mark.parametrize("value", [0, -5, float("nan"), True, "10"])
 def test_a_hang_timeout_that_is_not_a_positive_number_is_refused(value: object) -> None:
-    with pytest.raises(
-        ValueError, match="hang_timeout must be a positive, finite number of seconds"
-    ):
+    with pytest.raises(ValueError, match="hang_timeout must be a positive, finite number"):
         axon_nb.Cluster(n=2, hang_timeout=value)  # type: ignore[arg-type]
 
 
