@@ -18,8 +18,8 @@ import torch
 
 import axon_nb
 from axon_nb import DDP, FSDP, Hybrid, Pipeline, TensorParallel, ZeRO
-from axon_nb.checkpoint.format import MARKER, Checkpoint, plan_save
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+from axon_nb.spec.checkpoint_format import MARKER, Checkpoint, plan_save
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 

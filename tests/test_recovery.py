@@ -15,8 +15,8 @@ from equivalence import full_params
 
 import axon_nb
 from axon_nb import DDP, FSDP, Hybrid, Pipeline, ZeRO
-from axon_nb.checkpoint.series import checkpoints
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+from axon_nb.spec.checkpoint_series import checkpoints
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 

@@ -8,9 +8,9 @@ import pytest
 
 import axon_nb
 from axon_nb.metrics.stream import SCHEMA, MetricsPublisher
+from axon_nb.spec.train_spec import check_world, make_spec
 from axon_nb.strategies import DDP, SingleDevice
 from axon_nb.train.result import merge_records
-from axon_nb.train.spec import check_world, make_spec
 
 BASE = dict(model=object(), data=object(), steps=10, batch_size=32)
 

@@ -3,7 +3,7 @@
 The ranks' side of writing and reading is ``axon_nb.rank.checkpoint_io``.
 """
 
-from axon_nb.checkpoint.format import Checkpoint
 from axon_nb.checkpoint.on_cluster import load, save
+from axon_nb.spec.checkpoint_format import Checkpoint
 
 __all__ = ["Checkpoint", "load", "save"]

@@ -7,17 +7,17 @@ import os
 import warnings
 from typing import TYPE_CHECKING
 
-from axon_nb.checkpoint.format import Checkpoint, plan_save
 from axon_nb.cluster.control import Control
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.rank import entry
+from axon_nb.spec.checkpoint_format import Checkpoint, plan_save
 
 if TYPE_CHECKING:
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 
 def save(
-    cluster: Cluster,
+    cluster: ClusterLike,
     path: str | os.PathLike[str],
     kind: str = "full",
     *,
@@ -51,7 +51,7 @@ def save(
     return Checkpoint.read(target.path)
 
 
-def load(cluster: Cluster, path: str | os.PathLike[str], *, name: str = "model") -> Checkpoint:
+def load(cluster: ClusterLike, path: str | os.PathLike[str], *, name: str = "model") -> Checkpoint:
     """Load a checkpoint into training run ``name``; ``train(..., resume=True)`` continues.
 
     The run must exist, built with the checkpoint's model and optimizer (``steps=0`` builds
@@ -74,7 +74,7 @@ def load(cluster: Cluster, path: str | os.PathLike[str], *, name: str = "model")
 
 
 def rescue(
-    cluster: Cluster,
+    cluster: ClusterLike,
     path: str | os.PathLike[str],
     *,
     name: str = "model",

@@ -21,7 +21,7 @@ from axon_nb.rank import entry
 if TYPE_CHECKING:
     import distributed
 
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 WORKER_TTL_S = 30 * 24 * 3600
 """A rank's worker shares the engine's event loop, which waits while the rank runs a cell (a
@@ -38,7 +38,7 @@ class DaskOnRanks:
         self.workers: dict[int, str] = {}
         """Rank -> its worker's address."""
 
-    def ensure(self, cluster: Cluster) -> distributed.Client:
+    def ensure(self, cluster: ClusterLike) -> distributed.Client:
         """The client, started now if there is none or the ranks changed since."""
         if self.client is not None and self._serves(cluster):
             return self.client
@@ -66,7 +66,7 @@ class DaskOnRanks:
         self.client = None
         self.workers = {}
 
-    def _serves(self, cluster: Cluster) -> bool:
+    def _serves(self, cluster: ClusterLike) -> bool:
         if self.client is None or self.client.status != "running":
             return False
         with contextlib.suppress(Exception):
@@ -76,14 +76,14 @@ class DaskOnRanks:
         return False
 
 
-def _scheduler_host(cluster: Cluster) -> str:
+def _scheduler_host(cluster: ClusterLike) -> str:
     ipp_cluster = cluster._ipp
     if ipp_cluster is None:
         raise AxonError("the cluster is not running: start it before cluster.dask()")
     return ipp_cluster.controller_ip or "127.0.0.1"
 
 
-def _start_scheduler(cluster: Cluster, host: str) -> str:
+def _start_scheduler(cluster: ClusterLike, host: str) -> str:
     """Ask the controller to run a dask scheduler on ``host``; its address.
 
     This is the request ``ipyparallel.Client.become_dask`` sends before it starts workers

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from axon_nb.cluster.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 INTERVAL_S = 1.0
 """How often the state file is rewritten and controls are looked for."""
@@ -90,7 +90,7 @@ def prune(directory: Path) -> None:
 class LabRegistry:
     """Publishes one cluster's state and carries out the controls sent to it."""
 
-    def __init__(self, cluster: Cluster, key: str, directory: Path | None = None) -> None:
+    def __init__(self, cluster: ClusterLike, key: str, directory: Path | None = None) -> None:
         if not re.fullmatch(r"[A-Za-z0-9_-]+", key):
             raise ValueError(f"a registry key has only letters, digits, _ and -; got {key!r}")
         self.cluster = cluster
@@ -101,7 +101,7 @@ class LabRegistry:
         self._thread = threading.Thread(target=self._loop, name="axon-lab-registry", daemon=True)
 
     @classmethod
-    def for_kernel(cls, cluster: Cluster) -> LabRegistry | None:
+    def for_kernel(cls, cluster: ClusterLike) -> LabRegistry | None:
         """A registry for ``cluster`` when this process is a Jupyter kernel (or when
         ``AXON_NB_KERNEL_ID`` names one, for tools that start clusters outside a kernel)."""
         kernel = os.environ.get("AXON_NB_KERNEL_ID") or kernel_id()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from axon_nb.rank.placement import BACKENDS
 
@@ -49,6 +51,29 @@ class ClusterOptions:
     """``engines="slurm"``: the partition to submit to (None: the default one)."""
     time: str | None = None
     """``engines="slurm"``: the job's time limit, as Slurm writes it (``2:00:00``)."""
+
+    @classmethod
+    def from_arguments(
+        cls,
+        n: int,
+        *,
+        gpus: Sequence[int] | None = None,
+        hosts: Sequence[tuple[str, int]] | str | None = None,
+        oversubscribe: bool | None = None,
+        **options: Any,
+    ) -> ClusterOptions:
+        """The options of ``Cluster(n, ...)``: ``hosts`` may be ``"node1:4,node2:4"``, and
+        ``oversubscribe=None`` takes the environment's default."""
+        if isinstance(hosts, str):
+            hosts = parse_hosts(hosts)
+        if oversubscribe is not None:
+            options["oversubscribe"] = oversubscribe
+        return cls(
+            n=n,
+            gpus=tuple(gpus) if gpus is not None else None,
+            hosts=tuple((str(h), int(c)) for h, c in hosts) if hosts is not None else None,
+            **options,
+        )
 
     @property
     def multi_host(self) -> bool:

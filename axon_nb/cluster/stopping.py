@@ -10,10 +10,11 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Iterable
+from typing import Any
 
 import psutil
 
-from axon_nb.spec.stop_waits import KILL_AFTER_S
+from axon_nb.spec.stop_waits import ASK_S, KILL_AFTER_S
 
 RANK_PARENT = "axon_nb.rank.launch"
 """The module each rank's parent runs (``rank/launch.py``); SIGTERM to it stops its rank."""
@@ -85,3 +86,38 @@ def _send(proc: psutil.Process, sig: int) -> None:
     with contextlib.suppress(psutil.Error, ProcessLookupError):
         if proc.is_running():
             proc.send_signal(sig)
+
+
+def launcher_pids(ipp_cluster: Any, *, engines: bool = True, controller: bool = True) -> list[int]:
+    """Pids of the processes an ``ipyparallel.Cluster`` started: the engine launchers
+    (``mpiexec``, or each local engine's parent) and the controller."""
+    launchers = []
+    for engine_set in ipp_cluster.engines.values() if engines else []:
+        # (a local engine set is one launcher per engine; an MPI set is one mpiexec)
+        launchers += getattr(engine_set, "launchers", {}).values() or [engine_set]
+    if controller and ipp_cluster.controller is not None:
+        launchers.append(ipp_cluster.controller)
+    return [
+        launcher.process.pid
+        for launcher in launchers
+        if getattr(launcher, "process", None) is not None
+    ]
+
+
+def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool) -> None:
+    """End every process of ``ipp_cluster``, engines first, by the steps of ``stop_waits``:
+    with ``ask`` and idle engines, a shutdown request through ``client`` first (a busy engine
+    acts on it only when its cell ends, and survivors of a dead rank may be stuck: then
+    there is no use asking)."""
+    engines = launcher_pids(ipp_cluster, controller=False)
+    tree = process_tree(engines)
+    if ask and client is not None:
+        with contextlib.suppress(Exception):
+            if not client.outstanding:
+                client.shutdown(targets="all", block=False)
+                wait_gone(tree, ASK_S)
+    terminate_then_kill(tree, engines)  # (returns at once if all are gone)
+    controller = launcher_pids(ipp_cluster, engines=False)
+    terminate_then_kill(process_tree(controller), controller)
+    with contextlib.suppress(Exception):
+        ipp_cluster.stop_cluster_sync()  # ipyparallel's files and bookkeeping

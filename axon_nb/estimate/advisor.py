@@ -98,7 +98,7 @@ def advise(
     strategies: list[Any] | None = None,
     bandwidth: Any = None,
     device_flops: float | None = None,
-    optimizer: Any = "adamw",
+    optimizer: Any = None,
     mixed_precision: str | None = None,
 ) -> Advice:
     """Rank ``strategies`` (by default a candidate of each kind that fits the world) for
@@ -112,6 +112,7 @@ def advise(
     ``{"intra_host": ..., "inter_host": ...}``; ``device_flops``: sustained FLOP/s per device.
     """
     memory = parse_memory(device_memory)
+    optimizer = "adamw" if optimizer is None else optimizer  # train's default optimizer
     state_bytes(optimizer)  # an unknown optimizer is the caller's, not one candidate's, problem
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")

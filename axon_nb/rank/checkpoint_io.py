@@ -18,7 +18,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from axon_nb.checkpoint.format import (
+from axon_nb.parallel.activation_checkpoint import canonical_name
+from axon_nb.rank import runtime, trainstate
+from axon_nb.rank.safe_reader import SafeReader
+from axon_nb.rank.trainstate import TrainState
+from axon_nb.spec.checkpoint_format import (
     FULL_STATE_FILE,
     PRIVATE_DIR_MODE,
     PRIVATE_FILE_MODE,
@@ -26,10 +30,6 @@ from axon_nb.checkpoint.format import (
     SaveTarget,
     fingerprint,
 )
-from axon_nb.parallel.activation_checkpoint import canonical_name
-from axon_nb.rank import runtime, trainstate
-from axon_nb.rank.safe_reader import SafeReader
-from axon_nb.rank.trainstate import TrainState
 
 
 def save(name: str, target: SaveTarget) -> int:

@@ -7,7 +7,7 @@ has finished; the ranks agree on that in the loop's per-step all-reduce (no extr
 and then rank 0 writes the marker and moves the directory into place, as ``cluster.save``
 does. Only the newest ``keep`` complete checkpoints stay.
 
-Checkpoints are named ``<checkpoint_dir>/step-00000050`` (``axon_nb.checkpoint.series``, where
+Checkpoints are named ``<checkpoint_dir>/step-00000050`` (``axon_nb.spec.checkpoint_series``, where
 the kernel finds the newest complete one to resume from after a failure).
 """
 
@@ -25,10 +25,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from axon_nb.checkpoint.format import Checkpoint
-from axon_nb.checkpoint.series import checkpoints, path_for
 from axon_nb.rank import checkpoint_io, runtime
 from axon_nb.rank.trainstate import TrainState
+from axon_nb.spec.checkpoint_format import Checkpoint
+from axon_nb.spec.checkpoint_series import checkpoints, path_for
 
 
 @dataclass

@@ -118,7 +118,7 @@ class _Indices(Sampler[int]):
 
 def loader_options(given: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
     """The DataLoader keywords of a run: ``given`` (checked in the kernel by
-    ``axon_nb.train.spec``), with pinned memory on GPU ranks unless it says otherwise."""
+    ``axon_nb.spec.train_spec``), with pinned memory on GPU ranks unless it says otherwise."""
     options = dict(given or {})
     options.setdefault("pin_memory", device.type == "cuda")
     return options

@@ -31,7 +31,7 @@ from axon_nb.rank.data import StepBatches, resolve_dataset
 from axon_nb.rank.interrupts import StopSignal
 from axon_nb.rank.iterable import IterableSteps
 from axon_nb.rank.trainstate import LRShape, TrainState
-from axon_nb.train.spec import OPTIMIZERS, TrainSpec
+from axon_nb.spec.train_spec import OPTIMIZERS, TrainSpec
 
 
 def train_on_rank(spec_bytes: bytes, run_id: str, stop: StopSignal) -> dict[str, Any]:

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from axon_nb.checkpoint.format import Checkpoint, SaveTarget
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
 from axon_nb.parallel.optim_state import by_name, single_group
 from axon_nb.rank import checkpoint_io, runtime
 from axon_nb.rank.trainstate import TrainState
+from axon_nb.spec.checkpoint_format import Checkpoint, SaveTarget
 
 PIECES = "pieces-rank{rank}.pt"
 

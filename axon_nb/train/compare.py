@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ from axon_nb.strategies import DDP, resolve_strategy
 from axon_nb.tables import html_table, text_table
 
 if TYPE_CHECKING:
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 NAME = "_axon_compare"
 """The run name each candidate trains under (dropped after it)."""
@@ -70,20 +71,27 @@ def _mib(value: float | None, digits: int) -> str:
 
 
 def compare(
-    cluster: Cluster, strategies: list[Any], *, steps: int = 10, warmup: int = 2, **train: Any
-) -> Comparison:
-    """Train each of ``strategies`` for ``steps`` steps with the other ``train`` arguments
-    (model, data, batch_size, ...); figures leave out the first ``warmup`` steps."""
-    from axon_nb.train.on_cluster import start_run
-    from axon_nb.train.spec import check_world, make_spec
+    cluster: ClusterLike, strategies: list[Any], *, steps: int = 10, warmup: int = 2,
+    model: Any = None, data: Any = None, columns: tuple[Any, Any] | None = None,
+    optimizer: Any = None, loss: Callable[..., Any] | None = None, batch_size: int,
+    grad_accum: int = 1, mixed_precision: str | None = None,
+    clip_grad_norm: float | None = None, loader: dict[str, Any] | None = None,
+    compile: bool = False, schedule: str = "constant", warmup_steps: int = 0, seed: int = 0,
+    metrics_interval_s: float = 0.5,
+) -> Comparison:  # fmt: skip
+    """Train each of ``strategies`` for ``steps`` steps with the other training options (those
+    of ``train``, less what compare sets itself: strategy, name, resume, block, checkpoints
+    and restarts); figures leave out the first ``warmup`` steps."""
+    train = {
+        k: v for k, v in locals().items() if k not in ("cluster", "strategies", "steps", "warmup")
+    }
+    from axon_nb.spec.train_spec import check_world, make_spec
+    from axon_nb.train.start import start_run
 
     if not strategies:
         raise ValueError("compare needs a list of strategies, e.g. [DDP(), FSDP()]")
     if not isinstance(warmup, int) or not 0 <= warmup < steps:
         raise ValueError(f"warmup must be an integer in 0..steps-1, got {warmup!r}")
-    for banned in ("strategy", "name", "resume", "block", "max_restarts", "checkpoint_dir"):
-        if banned in train:
-            raise ValueError(f"compare sets {banned}= itself; leave it out")
     world = len(cluster.targets())
     profile, not_profiled = _profile(cluster, train)
     rows = []
@@ -126,7 +134,7 @@ def _figures(result: Any, warmup: int) -> dict[str, Any]:
     }
 
 
-def _profile(cluster: Cluster, train: dict[str, Any]) -> tuple[Any, str | None]:
+def _profile(cluster: ClusterLike, train: dict[str, Any]) -> tuple[Any, str | None]:
     """The model's profile (on rank 0) and None, or None and why it could not be taken (a
     stream, a dask collection, a model that does not build): the rows then say why they
     have no predictions."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
     from axon_nb.parallel.dims import ParallelDims
     from axon_nb.rank.dask_rows import DaskShards
     from axon_nb.rank.dask_shard import PiecesDataset
@@ -93,7 +93,7 @@ def check_rows(lengths: list[int], replicas: int, per_step: int) -> None:
 
 
 def place(
-    cluster: Cluster, data: Any, columns: Any, dims: ParallelDims, per_step: int
+    cluster: ClusterLike, data: Any, columns: Any, dims: ParallelDims, per_step: int
 ) -> tuple[DaskShards, list[Any]]:
     """Compute ``data`` on the ranks' workers and give each rank its pieces; the plan and
     the futures that keep the rows alive (release them when the run no longer needs them)."""

@@ -11,12 +11,12 @@ import ipyparallel as ipp
 
 from axon_nb.cluster.hangs import HangWatch
 from axon_nb.cluster.waiting import describe_error, results
+from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.result import TrainResult, build_result, merge_records
-from axon_nb.train.spec import TrainSpec
 from axon_nb.widgets.dashboard import Dashboard
 
 if TYPE_CHECKING:
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 MONITOR_S = 0.1
 """How often the kernel-side monitor thread reads the ranks' metrics stream."""
@@ -52,7 +52,7 @@ class TrainHandle:
 
     def __init__(
         self,
-        cluster: Cluster,
+        cluster: ClusterLike,
         ar: ipp.AsyncResult,
         targets: list[int],
         spec: TrainSpec,

@@ -2,30 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-
-from axon_nb.rank import entry
 from axon_nb.rank.dask_rows import is_dask_data
+from axon_nb.spec.train_spec import TrainSpec, check_world, make_spec
 from axon_nb.strategies import DDP
-from axon_nb.train.dask_data import partitions, place
+from axon_nb.train.dask_data import partitions
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.recovery import train_with_restarts
 from axon_nb.train.result import TrainResult
-from axon_nb.train.spec import TrainSpec, check_world, make_spec
+from axon_nb.train.start import start_run
 from axon_nb.widgets.frontend import in_notebook
 
 if TYPE_CHECKING:
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 
 def train(
-    cluster: Cluster,
+    cluster: ClusterLike,
     model: Any = None,
     data: Any = None,
     *,
@@ -148,25 +144,3 @@ def train(
         return train_with_restarts(cluster, spec, start)
     handle = start_run(cluster, spec, show=block and in_notebook())
     return handle.wait() if block else handle
-
-
-def start_run(
-    cluster: Cluster, spec: TrainSpec, *, show: bool, notes: Sequence[str] = ()
-) -> TrainHandle:
-    """Send ``spec`` to every rank and return the run's handle at once."""
-    targets = cluster.targets()
-    run = uuid.uuid4().hex[:12]
-    sent = spec
-    if is_dask_data(spec.data):  # each rank gets only where its rows are
-        dims = spec.strategy.dims(len(targets), cluster.ranks_per_host)
-        shards, held = place(cluster, spec.data, spec.columns, dims, spec.batch_size // dims.dp)
-        cluster.hold_dask_rows(held)
-        sent = dataclasses.replace(spec, data=shards)
-    ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(sent), run)
-    handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted)
-    for note in notes:
-        handle.dashboard.note(note)
-    cluster.last_run = handle
-    if show:
-        handle.show()
-    return handle

@@ -23,20 +23,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.checkpoint.on_cluster import load
-from axon_nb.checkpoint.series import latest, remove_partial
 from axon_nb.errors import AxonError, ClusterBrokenError, ClusterStartError, RankDiedError
+from axon_nb.spec.checkpoint_series import latest, remove_partial
+from axon_nb.spec.train_spec import TrainSpec, check_world
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.result import TrainResult
-from axon_nb.train.spec import TrainSpec, check_world
 
 if TYPE_CHECKING:
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 Start = Callable[[TrainSpec, list[str]], TrainHandle]
 """Starts a run of a spec on the cluster (with notes for its dashboard); returns its handle."""
 
 
-def train_with_restarts(cluster: Cluster, spec: TrainSpec, start: Start) -> TrainResult:
+def train_with_restarts(cluster: ClusterLike, spec: TrainSpec, start: Start) -> TrainResult:
     """Run ``spec`` to its end, recovering from dead ranks up to ``spec.max_restarts`` times."""
     assert spec.checkpoint_dir is not None
     handle = start(spec, [])
@@ -105,7 +105,7 @@ def train_with_restarts(cluster: Cluster, spec: TrainSpec, start: Start) -> Trai
 
 
 def _world_after(
-    cluster: Cluster, spec: TrainSpec, error: Exception, restarts: list[dict[str, Any]]
+    cluster: ClusterLike, spec: TrainSpec, error: Exception, restarts: list[dict[str, Any]]
 ) -> int:
     """How many ranks to restart: as many as before, unless ``min_ranks`` allows fewer and
     the rank that died had died in the run before too (it cannot come back)."""
@@ -117,7 +117,7 @@ def _world_after(
     return _smaller_world(cluster, spec, world, error)
 
 
-def _restart(cluster: Cluster, spec: TrainSpec, world: int) -> int:
+def _restart(cluster: ClusterLike, spec: TrainSpec, world: int) -> int:
     """Restart with ``world`` ranks, or (with ``min_ranks``) fewer while starting fails; the
     number started."""
     while True:
@@ -131,7 +131,7 @@ def _restart(cluster: Cluster, spec: TrainSpec, world: int) -> int:
             print(f"the ranks did not all start ({error}); trying {world}", file=sys.stderr)
 
 
-def _smaller_world(cluster: Cluster, spec: TrainSpec, world: int, error: Exception) -> int:
+def _smaller_world(cluster: ClusterLike, spec: TrainSpec, world: int, error: Exception) -> int:
     """The largest number of ranks below ``world`` and at least ``min_ranks`` that the run's
     layout and batch fit; raises (from ``error``) when there is none."""
     assert spec.min_ranks is not None
@@ -173,7 +173,7 @@ def _bounds(handle: TrainHandle, spec: TrainSpec) -> tuple[int, int] | None:
     return start, start + spec.steps
 
 
-def _rebuild(cluster: Cluster, spec: TrainSpec) -> None:
+def _rebuild(cluster: ClusterLike, spec: TrainSpec) -> None:
     """Build the run (model, optimizer, schedule) on fresh ranks, training nothing."""
     build = dataclasses.replace(
         spec,
@@ -186,6 +186,6 @@ def _rebuild(cluster: Cluster, spec: TrainSpec) -> None:
         max_restarts=0,
         metrics_interval_s=0,
     )
-    from axon_nb.train.on_cluster import start_run
+    from axon_nb.train.start import start_run
 
     start_run(cluster, build, show=False).wait()

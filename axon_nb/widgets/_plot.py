@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from axon_nb.train.result import TrainResult
+
+class TrainResult(Protocol):
+    """What a plot reads of a ``axon_nb.train.TrainResult`` (this module does not import
+    it: the result imports the plot)."""
+
+    name: str
+    ranks: list[dict[str, Any]]
+    losses: list[float]
+    history: list[dict[str, Any]]
 
 
 def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:

@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 
-from axon_nb.checkpoint.format import MARKER, Checkpoint
+from axon_nb.spec.checkpoint_format import MARKER, Checkpoint
 
 NAME = re.compile(r"step-(\d{8})$")
 

@@ -105,6 +105,49 @@ class TrainSpec:
         return dict(self.optimizer[1]) if isinstance(self.optimizer, tuple) else {}
 
 
+CALLER_DEFAULTS = {"model": None, "data": None, "strategy": None, "optimizer": None}
+"""Options the spec requires but every function that takes them defaults to None:
+``make_spec`` fills them in (the strategy's default, AdamW, a run resumed by name)."""
+
+CLUSTER_ONLY = ("metrics_interval_s", "checkpoint_dir", "checkpoint_every",
+                "checkpoint_every_s", "keep", "max_restarts", "min_ranks")  # fmt: skip
+"""Options of a run on a cluster that ``train_local`` (one process) does not take."""
+
+COMPARE_SETS = ("strategy", "resume", "name", *CLUSTER_ONLY[1:])
+"""Options ``compare`` sets itself for every candidate (it streams metrics, so it takes
+``metrics_interval_s``)."""
+
+ADVISE_OPTIONS = ("batch_size", "optimizer", "mixed_precision")
+"""The training options the advisor's predictions depend on (``batch_size`` may be left out
+there: 4 samples per rank)."""
+
+
+def entry_point_options() -> dict[str, dict[str, Any]]:
+    """Every function that takes training options, and the options (name -> default, or
+    ``REQUIRED``) it must take: the single declaration that ``tests/test_signatures.py``
+    checks ``train``, ``Cluster.train``, ``train_local``, ``compare`` and ``advise`` against,
+    so a new option cannot be forgotten in one of them."""
+    import dataclasses
+
+    everything = {
+        f.name: CALLER_DEFAULTS.get(
+            f.name, f.default if f.default is not dataclasses.MISSING else REQUIRED
+        )
+        for f in dataclasses.fields(TrainSpec)
+    }
+    return {
+        "train": everything,
+        "train_local": {k: v for k, v in everything.items() if k not in CLUSTER_ONLY},
+        # (a comparison trains a few steps of each candidate)
+        "compare": {k: v for k, v in everything.items() if k not in COMPARE_SETS} | {"steps": 10},
+        "advise": {k: everything[k] for k in ADVISE_OPTIONS},
+    }
+
+
+REQUIRED = object()
+"""Marks an option that has no default."""
+
+
 def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
     """Build a :class:`TrainSpec` from ``train()`` keywords, raising ``ValueError`` on bad input."""
     kwargs["strategy"] = resolve_strategy(kwargs.get("strategy"), default_strategy)

@@ -1,0 +1,12 @@
+"""The features a ``Cluster`` delegates to, each a function over a cluster in its own module.
+
+They type the cluster as ``transport.ClusterLike`` and never import ``Cluster``, so ``Cluster``
+can import them here without an import circle.
+"""
+
+from axon_nb.checkpoint.on_cluster import load, rescue, save
+from axon_nb.cluster.bandwidth import bandwidth
+from axon_nb.train.compare import compare
+from axon_nb.train.on_cluster import train
+
+__all__ = ["bandwidth", "compare", "load", "rescue", "save", "train"]

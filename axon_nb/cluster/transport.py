@@ -1,0 +1,322 @@
+"""``Transport``: the live connection to a cluster's ranks, apart from starting and stopping
+them (``Cluster``): sending work (one way, ``sending.py``), waiting for it, the world's state
+(dead ranks, a broken or re-formed world) and seeing into busy ranks.
+
+Features (``train``, ``checkpoint``, ``compare``, ``bandwidth``, ``dask``, recovery) take a
+cluster and use only what is here and in :class:`ClusterLike`, so none of them imports
+``Cluster`` and ``Cluster`` can import them all.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import ipyparallel as ipp
+import psutil
+
+from axon_nb.cluster import hangs, startup
+from axon_nb.cluster.control import Control, held_interrupts
+from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
+from axon_nb.cluster.options import ClusterOptions
+from axon_nb.cluster.sending import call_args
+from axon_nb.cluster.stacks import StackReport
+from axon_nb.cluster.waiting import results, wait_for_ranks
+from axon_nb.errors import ClusterBrokenError, NoClusterError, RankDiedError
+from axon_nb.rank import entry
+from axon_nb.rank.watch import NATIVE_SIGNAL
+
+if TYPE_CHECKING:
+    import distributed
+
+    from axon_nb.cluster.logs import ClusterLog
+
+
+class Transport:
+    """The ranks of a started cluster as something to send work to (see the module doc)."""
+
+    def __init__(self, options: ClusterOptions) -> None:
+        self.options = options
+        self._client: ipp.Client | None = None
+        self._watch: WatchDir | None = None
+        self._broken: str | None = None
+        self._dead: set[int] = set()
+        self.ranks: list[dict[str, Any]] = []
+        """One summary per rank (rank, host, pid, device, backend, ...), in rank order."""
+        self.log: ClusterLog | None = None
+        """The log file of the latest start: controller, MPI launcher and engine output."""
+
+    @property
+    def running(self) -> bool:
+        """True once the world is joined and until the cluster stops."""
+        return self._client is not None and bool(self.ranks)
+
+    @property
+    def client(self) -> ipp.Client:
+        """The ipyparallel client connected to the ranks (engine id == rank)."""
+        if self._client is None:
+            raise NoClusterError(
+                "the cluster is not running: call cluster.start() or use `%axon_cluster N`"
+            )
+        return self._client
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks: Sequence[int] | None = None,
+        stream: bool = True,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Call ``fn(*args, **kwargs)`` on every rank (or ``ranks``); results in rank order.
+
+        Output streams while it runs, labelled by rank. Ctrl-C interrupts the ranks and leaves
+        the cluster usable. Example::
+
+            cluster.run(lambda: torch.distributed.get_rank())   # [0, 1, 2, 3]
+        """
+        targets = self.targets(ranks)
+        ar, interrupted = self.apply(targets, fn, *args, **kwargs)
+        return results(self.wait(ar, targets, stream=stream, interrupted=interrupted))
+
+    def execute(
+        self, code: str, *, ranks: Sequence[int] | None = None, stream: bool = True
+    ) -> dict[int, ipp.AsyncResult]:
+        """Run ``code`` in every rank's persistent namespace; returns the finished parts by rank.
+
+        Example::
+
+            cluster.execute("x = rank * 2")
+            cluster.run(lambda: x)   # NameError: functions see their own globals, not the cell's
+        """
+        targets = self.targets(ranks)
+        with held_interrupts() as held:
+            ar = self.view(targets).execute(code, silent=False, block=False)
+        return self.wait(ar, targets, stream=stream, interrupted=held.arrived)
+
+    def run_script(self, path: str, args: Sequence[str] = ()) -> list[int]:
+        """Run an unmodified torchrun-style script on every rank (fresh processes, own world).
+
+        Returns each rank's exit code (all 0, else :class:`RankError`). Example::
+
+            cluster.run_script("train.py", ["--epochs", "1"])
+        """
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no such script: {path!r} (relative to {os.getcwd()})")
+        targets = self.targets(None)
+        ar, interrupted = self.apply(
+            targets, entry.run_script, os.path.abspath(path), list(args), os.getcwd()
+        )
+        return results(self.wait(ar, targets, stream=True, interrupted=interrupted))
+
+    def survivors(self) -> tuple[list[int], list[int]]:
+        """``(alive, dead)`` ranks: a rank is dead once a call saw it die, once the controller
+        dropped its engine, or (on this host) once its process is gone. Example::
+
+            cluster.survivors()   # ([0, 2, 3], [1])
+        """
+        here = socket.gethostname()
+        registered = set(self.client.ids)
+        dead = [
+            r["rank"]
+            for r in self.ranks
+            if r["rank"] in self._dead
+            or r["rank"] not in registered
+            or (r.get("host") == here and not psutil.pid_exists(r["pid"]))
+        ]
+        return [r["rank"] for r in self.ranks if r["rank"] not in dead], dead
+
+    def interrupt(self, ranks: Sequence[int] | None = None) -> None:
+        """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
+        Control(self.client, []).interrupt(self.targets(ranks))
+
+    def stacks(
+        self, ranks: Sequence[int] | None = None, *, timeout: float = ANSWER_S
+    ) -> StackReport:
+        """Where every rank (or ``ranks``) is now: each thread's Python stack and the current
+        or last collective, also while the ranks are busy or stuck (what ``%axon_stacks`` shows).
+
+        Ranks that do not answer within ``timeout`` seconds (a rank holding the GIL in native
+        code, or a dead one) are sent SIGUSR1, on which ``faulthandler`` dumps their stacks.
+        Example::
+
+            report = cluster.stacks()
+            print(report)            # ranks 0, 2, 3 wait in all_reduce #57 ...
+            print(report.stacks[1])  # rank 1's main-thread stack
+        """
+        if not self.running or self._watch is None:
+            raise NoClusterError(
+                "no cluster is running: start one with `%axon_cluster N` or "
+                "`axon_nb.Cluster(n=N).start()`"
+            )
+        world = list(range(len(self.ranks)))  # a broken world can still be inspected
+        targets = world if ranks is None else sorted(set(ranks))
+        if not targets or not set(targets) <= set(world):
+            raise ValueError(
+                f"ranks must be a non-empty subset of 0..{len(world) - 1}, got {list(ranks or [])}"
+            )
+        control = Control(self.client, world)
+        return hangs.collect(
+            self._watch,
+            targets,
+            signal_native=lambda missing: control.signal(missing, NATIVE_SIGNAL),
+            timeout=timeout,
+        )
+
+    def table(self) -> str:
+        """The ranks as a text table: rank, host, pid, device, backend."""
+        rows = [("rank", "host", "pid", "device", "backend")]
+        rows += [
+            (str(r["rank"]), r["host"], str(r["pid"]), r["device"], r["backend"])
+            for r in self.ranks
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
+        )
+
+    @property
+    def ranks_per_host(self) -> int:
+        """Ranks on each host (rank 0's host), e.g. FSDP hybrid sharding's default group."""
+        return int(self.ranks[0]["local_world_size"]) if self.ranks else 1
+
+    def apply(
+        self, targets: list[int], fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> tuple[ipp.AsyncResult, bool]:
+        """Send ``fn(*args, **kwargs)`` to ``targets`` without waiting: its ``AsyncResult``, and
+        whether a Ctrl-C came while sending (held back; pass it to :meth:`wait`).
+
+        Every feature sends its work this way (``cluster/sending.py``), so functions defined
+        in the notebook work everywhere."""
+        with held_interrupts() as held:
+            ar = self.view(targets).apply_async(*call_args(fn, args, kwargs))
+        return ar, held.arrived
+
+    def view(self, targets: list[int]) -> ipp.DirectView:
+        """A view on ``targets`` (see ``startup.view``: one rank is addressed by its id)."""
+        return startup.view(self.client, targets)
+
+    def targets(self, ranks: Sequence[int] | None = None) -> list[int]:
+        """``ranks`` checked against the running world (all ranks for None), sorted."""
+        if not self.running:
+            raise NoClusterError(
+                "no cluster is running: start one with `%axon_cluster N` or "
+                "`axon_nb.Cluster(n=N).start()`"
+            )
+        if self._broken:
+            raise ClusterBrokenError(
+                f"{self._broken}. Run `%axon_cluster --restart` (or cluster.restart()) to "
+                "start fresh ranks"
+            )
+        world = list(range(len(self.ranks)))
+        if ranks is None:
+            return world
+        bad = [r for r in ranks if r not in world]
+        if bad or not ranks:
+            raise ValueError(
+                f"ranks must be a non-empty subset of 0..{len(world) - 1}, got {list(ranks)}"
+            )
+        return sorted(set(ranks))
+
+    def wait(
+        self,
+        ar: ipp.AsyncResult,
+        targets: list[int],
+        *,
+        stream: bool,
+        timeout: float | None = None,
+        watch_hangs: bool = True,
+        **options: Any,
+    ) -> dict[int, ipp.AsyncResult]:
+        """Wait for ``ar`` (one message per rank of ``targets``) as ``waiting.wait_for_ranks``
+        does, and keep the cluster's state: a dead rank breaks it, released ranks re-form it.
+
+        With the cluster's ``hang_timeout`` and ``watch_hangs``, the ranks' stacks are shown
+        once when no rank finishes or prints for that long."""
+        world = list(range(len(self.ranks))) or targets
+        joined = self._watch is not None and bool(self.ranks)  # (not while starting)
+        control = Control(self.client, world, self.stacks if joined else None)
+        hang = None
+        if watch_hangs and self.options.hang_timeout is not None and self._watch is not None:
+            hang = HangWatch(
+                self.options.hang_timeout,
+                lambda s: self.report_hang(s, progress="no rank finished or printed"),
+            )
+        try:
+            return wait_for_ranks(
+                ar, targets, control=control, stream=stream, timeout=timeout, hang=hang, **options
+            )
+        except RankDiedError as e:
+            self._dead.add(e.rank)
+            self._broken = f"rank {e.rank} died"
+            raise
+        finally:
+            if control.released and not self._broken and self.ranks:
+                self._reform_world()
+
+    def report_hang(self, seconds: float, *, progress: str) -> StackReport | None:
+        """Print every rank's stacks to stderr after ``seconds`` without ``progress`` (what
+        did not happen, e.g. "no rank finished a step"); returns the report (None if it could
+        not be taken). Example::
+
+            cluster.report_hang(300, progress="no rank finished a step")
+        """
+        try:
+            report = self.stacks()
+        except Exception as e:  # a report is a diagnosis; never let it end the wait
+            print(f"No progress for {seconds:.0f} s; the stacks could not be taken: {e}",
+                  file=sys.stderr)  # fmt: skip
+            return None
+        print(
+            f"No progress for {seconds:.0f} s ({progress}). {report}\n"
+            f"Still waiting: a collective stuck past --timeout ({self.options.timeout:g} s) "
+            "fails with an error; interrupt the kernel to stop the ranks now.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return report
+
+    def _reform_world(self) -> None:
+        """Every rank leaves the severed process group and joins a fresh one."""
+        print(
+            "Ranks had stopped in different collectives, so the process group was re-formed. "
+            "Objects built on the old group (DDP models, device meshes) must be rebuilt.",
+            file=sys.stderr,
+        )
+        port = self.client[0].apply_sync(entry.free_port)
+        targets = list(range(len(self.ranks)))
+        ar = self.view(targets).apply_async(entry.reform, port)
+        parts = wait_for_ranks(
+            ar, targets, control=Control(self.client, []), timeout=self.options.start_timeout
+        )
+        self.ranks = results(parts)
+
+    def _wait_start(self, ar: ipp.AsyncResult, targets: list[int]) -> dict[int, ipp.AsyncResult]:
+        return self.wait(
+            ar, targets, stream=True, timeout=self.options.start_timeout, watch_hangs=False
+        )
+
+
+if TYPE_CHECKING:
+
+    class ClusterLike(Transport):
+        """What features use of a cluster beyond its :class:`Transport` (``Cluster`` has
+        it); for type checkers only, so that no feature imports ``Cluster``."""
+
+        last_run: Any
+
+        def restart(self, n: int | None = None) -> ClusterLike: ...
+
+        def stop(self) -> None: ...
+
+        def profile(self, model: Any, data: Any, loss: Any = None, *, samples: int = 4) -> Any: ...
+
+        def dask(self) -> distributed.Client: ...
+
+        def hold_dask_rows(self, futures: list[Any]) -> None: ...
+
+else:
+    ClusterLike = Transport

@@ -1,0 +1,42 @@
+"""``start_run``: send a training spec to every rank and return its handle at once (used by
+``train``, ``compare`` and recovery)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import cloudpickle
+
+from axon_nb.rank import entry
+from axon_nb.rank.dask_rows import is_dask_data
+from axon_nb.spec.train_spec import TrainSpec
+from axon_nb.train.dask_data import place
+from axon_nb.train.handle import TrainHandle
+
+if TYPE_CHECKING:
+    from axon_nb.cluster.transport import ClusterLike
+
+
+def start_run(
+    cluster: ClusterLike, spec: TrainSpec, *, show: bool, notes: Sequence[str] = ()
+) -> TrainHandle:
+    """Send ``spec`` to every rank and return the run's handle at once."""
+    targets = cluster.targets()
+    run = uuid.uuid4().hex[:12]
+    sent = spec
+    if is_dask_data(spec.data):  # each rank gets only where its rows are
+        dims = spec.strategy.dims(len(targets), cluster.ranks_per_host)
+        shards, held = place(cluster, spec.data, spec.columns, dims, spec.batch_size // dims.dp)
+        cluster.hold_dask_rows(held)
+        sent = dataclasses.replace(spec, data=shards)
+    ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(sent), run)
+    handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted)
+    for note in notes:
+        handle.dashboard.note(note)
+    cluster.last_run = handle
+    if show:
+        handle.show()
+    return handle
