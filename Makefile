@@ -33,6 +33,7 @@ demo: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 # The browser test drives Debian's chromium. Where it cannot be installed (not root, no apt),
 # that one test is skipped and says why.

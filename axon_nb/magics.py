@@ -16,7 +16,7 @@ from axon_nb.cluster import Cluster
 from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus, parse_hosts, read_hostfile
 from axon_nb.cluster.waiting import RankStreams
 from axon_nb.errors import NoClusterError
-from axon_nb.rank.placement import BACKENDS
+from axon_nb.spec.placement import BACKENDS
 
 
 @magics_class

@@ -16,7 +16,7 @@ from equivalence import check_equal, full_params
 import axon_nb
 from axon_nb import DDP, FSDP, Hybrid, Pipeline, TensorParallel, ZeRO
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
-from axon_nb.parallel.dims import ParallelDims
+from axon_nb.spec.parallel_dims import ParallelDims
 
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=32, vocab_size=64)
 ARGS: dict[str, Any] = dict(

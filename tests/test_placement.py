@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from axon_nb.rank.placement import PlacementError, Probe, plan_world
+from axon_nb.spec.placement import PlacementError, Probe, plan_world
 
 
 def probes(num_gpus: int, n: int = 2, hosts: tuple[str, ...] = ("a",)) -> list[Probe]:

@@ -2,7 +2,7 @@
 says about itself (NVML for GPUs, never CUDA; the cores this process may run on; memory).
 
 Other hosts are checked as they answer: every rank reports its host's devices when it joins
-(``rank/placement.py``), and a plan that does not fit fails the start with the same words.
+(``spec/placement.py``), and a plan that does not fit fails the start with the same words.
 """
 
 from __future__ import annotations

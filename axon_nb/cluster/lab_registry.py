@@ -34,21 +34,15 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from axon_nb.spec.lab_protocol import ACTIONS, registry_path
+
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
 
 INTERVAL_S = 1.0
 """How often the state file is rewritten and controls are looked for."""
-ACTIONS = ("stop_run", "interrupt", "restart", "stop_cluster")
 LOSS_POINTS = 100
 """Loss points kept in the state file (the sidebar's sparkline)."""
-
-
-def registry_path() -> Path:
-    """``<Jupyter runtime dir>/axon_nb`` (it may not exist yet)."""
-    from jupyter_core.paths import jupyter_runtime_dir
-
-    return Path(jupyter_runtime_dir()) / "axon_nb"
 
 
 def registry_dir() -> Path:

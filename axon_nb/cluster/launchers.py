@@ -15,7 +15,7 @@ import ipyparallel as ipp
 
 from axon_nb.cluster.options import ClusterOptions, format_hosts
 from axon_nb.errors import ClusterStartError
-from axon_nb.rank.bootstrap import address_toward
+from axon_nb.spec.bootstrap_spec import address_toward
 
 MPI_HINT = (
     "Install MPICH into this Python environment with `pip install mpich` (it provides "

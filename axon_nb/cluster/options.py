@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from axon_nb.rank.placement import BACKENDS
+from axon_nb.spec.placement import BACKENDS
 
 ENGINE_KINDS = ("mpi", "local", "slurm")
 

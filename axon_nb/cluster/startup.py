@@ -18,8 +18,8 @@ from axon_nb.cluster.stopping import alive
 from axon_nb.cluster.waiting import results
 from axon_nb.errors import ClusterStartError, RankError
 from axon_nb.rank import entry
-from axon_nb.rank.bootstrap import BootstrapSpec
-from axon_nb.rank.placement import PlacementError, plan_world
+from axon_nb.spec.bootstrap_spec import BootstrapSpec
+from axon_nb.spec.placement import PlacementError, plan_world
 
 RANK_GONE_S = 2.0
 """While starting, a rank process missing this long under its MPI proxy has exited."""

@@ -27,7 +27,7 @@ from axon_nb.cluster.stacks import StackReport
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.errors import ClusterBrokenError, NoClusterError, RankDiedError
 from axon_nb.rank import entry
-from axon_nb.rank.watch import NATIVE_SIGNAL
+from axon_nb.spec.signals import NATIVE_SIGNAL
 
 if TYPE_CHECKING:
     import distributed

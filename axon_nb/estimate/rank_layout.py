@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from axon_nb.estimate.profile import LayerProfile, ModelProfile
-from axon_nb.parallel.config import ParallelConfig
-from axon_nb.parallel.dims import ParallelDims
-from axon_nb.parallel.stages import balanced_starts, check_starts
+from axon_nb.spec.parallel_config import ParallelConfig
+from axon_nb.spec.parallel_dims import ParallelDims
+from axon_nb.spec.pipeline_stages import balanced_starts, check_starts
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

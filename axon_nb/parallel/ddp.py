@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from axon_nb.parallel.config import DDPConfig, LocalSGDConfig
+from axon_nb.spec.parallel_config import DDPConfig, LocalSGDConfig
 
 
 def apply_ddp(

@@ -37,14 +37,14 @@ from axon_nb.parallel.activation_checkpoint import (
     parameter_names,
 )
 from axon_nb.parallel.compile import apply_compile
-from axon_nb.parallel.config import ParallelConfig, PipelineConfig, TensorConfig
 from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
-from axon_nb.parallel.dims import ParallelDims
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
 from axon_nb.parallel.pipeline import PipelinedModel
 from axon_nb.parallel.tensor import apply_tp
 from axon_nb.parallel.zero2 import GradShardedModel
+from axon_nb.spec.parallel_config import ParallelConfig, PipelineConfig, TensorConfig
+from axon_nb.spec.parallel_dims import ParallelDims
 
 
 def parallelize(

@@ -26,9 +26,9 @@ from torch.distributed.pipelining import (
 )
 
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
-from axon_nb.parallel.config import PipelineConfig
 from axon_nb.parallel.optim_state import by_index, by_name, single_group
-from axon_nb.parallel.stages import balanced_starts, check_starts
+from axon_nb.spec.parallel_config import PipelineConfig
+from axon_nb.spec.pipeline_stages import balanced_starts, check_starts
 
 
 def pipeline_layers(model: nn.Module) -> list[nn.Module]:

@@ -23,8 +23,8 @@ from typing import Any
 
 from torch import nn
 
-from axon_nb.parallel.config import TP_STYLES as STYLES
-from axon_nb.parallel.config import TensorConfig
+from axon_nb.spec.parallel_config import TP_STYLES as STYLES
+from axon_nb.spec.parallel_config import TensorConfig
 
 
 class ColumnParallelLinear(nn.Linear):

@@ -9,34 +9,13 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
 from typing import Any
 
 import psutil
 
 from axon_nb.rank import runtime, world
-from axon_nb.rank.placement import PlacementError, Probe, RankPlan, plan_world
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class BootstrapSpec:
-    """What the kernel asks of every rank."""
-
-    backend: str = "auto"
-    """``auto`` (nccl when every rank has a GPU, else gloo), ``nccl`` or ``gloo``."""
-    gpus: tuple[int, ...] | None = None
-    """CUDA device indices to use on each host; ``None`` means all visible devices."""
-    timeout_s: float = 300.0
-    """Timeout of collectives, in seconds."""
-    watch_dir: str | None = None
-    """The cluster's owner-only directory where the kernel asks for stacks (``rank/watch.py``)."""
-    iface: str | None = None
-    """Across hosts: the network interface the ranks use; None: the one that routes to
-    ``kernel_addr``."""
-    kernel_addr: str | None = None
-    """Across hosts: the kernel host's address on the ranks' network (the controller's)."""
-    kernel_host: str | None = None
-    """The kernel's host name: ranks all on it meet through a file in ``watch_dir``."""
+from axon_nb.spec.bootstrap_spec import BootstrapSpec, address_toward
+from axon_nb.spec.placement import PlacementError, Probe, RankPlan, plan_world
 
 
 def probe(
@@ -128,7 +107,7 @@ def join_world(
     runtime.set_context(ctx)
     _predefine_names(ctx)
     if watch_dir is not None:
-        from axon_nb.rank import watch  # (the kernel imports this module for BootstrapSpec)
+        from axon_nb.rank import watch
 
         watch.start(watch_dir, ctx.rank)
     return ctx.summary()
@@ -179,14 +158,6 @@ def _address(host: str, spec: BootstrapSpec) -> str:
         return socket.gethostbyname(host)
     except OSError:
         return "127.0.0.1"
-
-
-def address_toward(host: str) -> str:
-    """This machine's address on the network that reaches ``host`` (a route lookup; nothing
-    is sent). Raises ``OSError`` when no route does."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return str(s.getsockname()[0])
 
 
 def _interface_of(ip: str) -> str | None:

@@ -12,7 +12,7 @@ trains on exactly the same global batches.
 Example::
 
     x, y = assemble(parts, pieces_of(rank=0, replicas=2, lengths=[100, 90, 110, 100]))
-    # (axon_nb.rank.dask_rows)
+    # (axon_nb.spec.dask_rows)
     dataset = PiecesDataset(x, y, pieces=4, piece_rows=100, data_rank=0, replicas=2)
 """
 

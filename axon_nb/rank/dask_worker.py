@@ -12,7 +12,7 @@ import asyncio
 from typing import Any
 from urllib.parse import urlsplit
 
-from axon_nb.rank.bootstrap import address_toward
+from axon_nb.spec.bootstrap_spec import address_toward
 
 
 def start_worker(scheduler: str, name: str) -> None:

@@ -8,16 +8,27 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-from axon_nb.rank.dask_rows import DaskShards, is_dask_data
 from axon_nb.rank.dask_shard import PiecesDataset
 from axon_nb.rank.prefetch import prefetched
+from axon_nb.spec.dask_rows import DaskShards, is_dask_data
+
+
+def _dask_pieces(shards: DaskShards, rank: int) -> PiecesDataset:
+    """``rank``'s pieces of a dask collection, from its own dask worker's memory."""
+    from axon_nb.rank.dask_worker import local_data
+
+    x, y = local_data(shards.keys[rank])
+    return PiecesDataset(
+        x, y, pieces=shards.pieces, piece_rows=shards.piece_rows,
+        data_rank=shards.data_ranks[rank], replicas=shards.replicas,
+    )  # fmt: skip
 
 
 def resolve_dataset(data: Any, rank: int = 0) -> Dataset[Any]:
     """``data`` itself when it is a dataset, else ``data()``; checked to be map-style. A dask
     collection comes as :class:`DaskShards`: ``rank``'s pieces, from its own worker."""
     if isinstance(data, DaskShards):
-        return data.dataset(rank)
+        return _dask_pieces(data, rank)
     factory = isinstance(data, type) or not hasattr(data, "__getitem__")  # a class is one too
     dataset = data() if callable(data) and factory else data
     if is_dask_data(dataset):

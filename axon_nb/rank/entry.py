@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from axon_nb.rank.bootstrap import BootstrapSpec
-    from axon_nb.rank.placement import Probe, RankPlan
+    from axon_nb.spec.bootstrap_spec import BootstrapSpec
     from axon_nb.spec.checkpoint_format import SaveTarget
+    from axon_nb.spec.placement import Probe, RankPlan
 
 
 # -- the one way in for work --------------------------------------------------------------

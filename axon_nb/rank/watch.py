@@ -27,7 +27,6 @@ import functools
 import json
 import linecache
 import os
-import signal
 import socket
 import sys
 import sysconfig
@@ -38,11 +37,10 @@ from types import FrameType
 from typing import Any
 
 from axon_nb.metrics import collective
+from axon_nb.spec.signals import NATIVE_SIGNAL
 
 POLL_S = 0.15
 """How often the watch thread looks for a new request."""
-NATIVE_SIGNAL = signal.SIGUSR1
-"""The signal that makes ``faulthandler`` dump every thread's stack (registered at start)."""
 
 _thread: threading.Thread | None = None
 _native_file: Any = None

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from axon_nb.cluster.lab_registry import ACTIONS, registry_path
+from axon_nb.spec.lab_protocol import ACTIONS, registry_path
 
 STALE_S = 5.0
 """An entry not rewritten for this long is gone (its kernel is stuck or dead)."""

@@ -3,9 +3,9 @@
 A strategy holds only the options it honours, checked when it is built (every problem listed
 at once). It maps to two things the ranks use and nothing else:
 
-- ``dims(world_size, ranks_per_host)``: the :class:`~axon_nb.parallel.dims.ParallelDims`
+- ``dims(world_size, ranks_per_host)``: the :class:`~axon_nb.spec.parallel_dims.ParallelDims`
   (degrees of data, tensor and pipeline parallelism);
-- ``config()``: the :class:`~axon_nb.parallel.config.ParallelConfig` (options per technique).
+- ``config()``: the :class:`~axon_nb.spec.parallel_config.ParallelConfig` (options per technique).
 
 ``axon_nb.parallel.parallelize`` applies them on every rank; strategies never run code there
 and never call each other. This module is pure Python: the kernel builds and checks strategies
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, fields
 from typing import ClassVar
 
-from axon_nb.parallel.config import ParallelConfig
-from axon_nb.parallel.dims import ParallelDims
+from axon_nb.spec.parallel_config import ParallelConfig
+from axon_nb.spec.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from axon_nb.parallel.config import FSDPConfig, ParallelConfig
-from axon_nb.parallel.dims import ParallelDims, positive
+from axon_nb.spec.parallel_config import FSDPConfig, ParallelConfig
+from axon_nb.spec.parallel_dims import ParallelDims, positive
 from axon_nb.strategies.base import Strategy, divisors
 
 SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from axon_nb.parallel.config import (
+from axon_nb.spec.parallel_config import (
     DDPConfig,
     FSDPConfig,
     ParallelConfig,
     PipelineConfig,
     TensorConfig,
 )
-from axon_nb.parallel.dims import ParallelDims, positive
+from axon_nb.spec.parallel_dims import ParallelDims, positive
 from axon_nb.strategies.base import Strategy
 from axon_nb.strategies.fsdp import sharding_problems, split_data_parallel
 
@@ -22,7 +22,7 @@ FSDP_ONLY = ("shard_size", "param_dtype", "reduce_dtype", "cpu_offload")
 
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class Hybrid(Strategy):
-    """``dp`` x ``tp`` x ``pp`` ranks on one mesh (``axon_nb.parallel.dims``): the model is cut
+    """``dp`` x ``tp`` x ``pp`` ranks on one mesh (``axon_nb.spec.parallel_dims``): the model is cut
     into ``pp`` pipeline stages, each stage's layers are split over ``tp`` ranks, and each of
     those is replicated or sharded over ``dp`` data-parallel ranks.
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from axon_nb.parallel.config import DDPConfig, FSDPConfig, ParallelConfig
-from axon_nb.parallel.dims import ParallelDims
+from axon_nb.spec.parallel_config import DDPConfig, FSDPConfig, ParallelConfig
+from axon_nb.spec.parallel_dims import ParallelDims
 from axon_nb.strategies.base import Strategy
 
 STAGE_OPTIONS = {

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
-    from axon_nb.parallel.dims import ParallelDims
-    from axon_nb.rank.dask_rows import DaskShards
     from axon_nb.rank.dask_shard import PiecesDataset
+    from axon_nb.spec.dask_rows import DaskShards
+    from axon_nb.spec.parallel_dims import ParallelDims
 
 
 def partitions(data: Any, columns: tuple[Any, Any] | None) -> list[Any]:
@@ -31,7 +31,7 @@ def partitions(data: Any, columns: tuple[Any, Any] | None) -> list[Any]:
     import dask.bag as db
     import dask.dataframe as dd
 
-    from axon_nb.rank.dask_rows import to_arrays
+    from axon_nb.spec.dask_rows import to_arrays
 
     convert = dask.delayed(to_arrays, pure=True)
     if isinstance(data, dd.DataFrame):
@@ -99,7 +99,7 @@ def place(
     the futures that keep the rows alive (release them when the run no longer needs them)."""
     import distributed
 
-    from axon_nb.rank.dask_rows import DaskShards, length, pieces_of
+    from axon_nb.spec.dask_rows import DaskShards, length, pieces_of
 
     parts = partitions(data, columns)
     client = cluster.dask()
@@ -171,7 +171,7 @@ def _check_futures(data: Any, client: Any) -> None:
 
 
 def _assemble_rank(parts: dict[int, Any], owned: Any) -> Any:
-    from axon_nb.rank.dask_rows import assemble
+    from axon_nb.spec.dask_rows import assemble
 
     return assemble(parts, owned)
 
@@ -181,8 +181,8 @@ def local(data: Any, columns: Any, per_step: int) -> PiecesDataset:
     (what ``train_local`` trains on)."""
     import dask
 
-    from axon_nb.rank.dask_rows import assemble, length, pieces_of
     from axon_nb.rank.dask_shard import PiecesDataset
+    from axon_nb.spec.dask_rows import assemble, length, pieces_of
 
     parts = dask.compute(*partitions(data, columns))
     lengths = [length(p) for p in parts]

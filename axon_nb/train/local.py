@@ -7,7 +7,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from axon_nb.rank.dask_rows import is_dask_data
+from axon_nb.spec.dask_rows import is_dask_data
 from axon_nb.spec.train_spec import check_world, make_spec
 from axon_nb.strategies import SingleDevice
 from axon_nb.train import dask_data

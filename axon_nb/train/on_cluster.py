@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from axon_nb.rank.dask_rows import is_dask_data
+from axon_nb.spec.dask_rows import is_dask_data
 from axon_nb.spec.train_spec import TrainSpec, check_world, make_spec
 from axon_nb.strategies import DDP
 from axon_nb.train.dask_data import partitions

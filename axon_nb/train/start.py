@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import cloudpickle
 
 from axon_nb.rank import entry
-from axon_nb.rank.dask_rows import is_dask_data
+from axon_nb.spec.dask_rows import is_dask_data
 from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.dask_data import place
 from axon_nb.train.handle import TrainHandle

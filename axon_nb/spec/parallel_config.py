@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from axon_nb.parallel.dims import positive
+from axon_nb.spec.parallel_dims import positive
 
 DATA_PARALLEL = ("none", "ddp", "fsdp", "zero1", "zero2")
 """How the data-parallel axes hold the model: not at all, replicated (DDP), sharded (FSDP),

@@ -14,12 +14,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from axon_nb.rank.dask_shard import PiecesDataset
 
 
 def is_dask_data(data: Any) -> bool:
@@ -55,17 +52,6 @@ class DaskShards:
     replicas: int
     data_ranks: dict[int, int]
     """Rank -> its data-parallel index."""
-
-    def dataset(self, rank: int) -> PiecesDataset:
-        """(On ``rank``) its pieces, from its own dask worker's memory."""
-        from axon_nb.rank.dask_shard import PiecesDataset
-        from axon_nb.rank.dask_worker import local_data
-
-        x, y = local_data(self.keys[rank])
-        return PiecesDataset(
-            x, y, pieces=self.pieces, piece_rows=self.piece_rows,
-            data_rank=self.data_ranks[rank], replicas=self.replicas,
-        )  # fmt: skip
 
 
 def pieces_of(rank: int, replicas: int, lengths: Sequence[int]) -> list[list[Slice]]:
