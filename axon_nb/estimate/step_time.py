@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from axon_nb.estimate.comm_model import comm_by_axis
 from axon_nb.estimate.profile import ModelProfile
 from axon_nb.estimate.rank_layout import RankLayout
+from axon_nb.spec.collectives import bus_factor
 
 OVERLAP = 2 / 3
 """Share of the compute (backward) that data-parallel communication can hide behind."""
@@ -94,13 +95,9 @@ def _group_size(layout: RankLayout, axis: str) -> int:
 
 
 def _bus_factor(kind: str, n: int) -> float:
-    """Bytes each rank moves per payload byte, as nccl-tests' bus bandwidth counts them."""
-    return {
-        "all_reduce": 2 * (n - 1) / n,
-        "all_gather": n - 1,  # the payload is one shard
-        "reduce_scatter": (n - 1) / n,
-        "all_to_all": (n - 1) / n,
-    }.get(kind, 1.0)
+    """Bytes each rank moves per payload byte: nccl-tests' factor, whose size is the whole
+    buffer; an all-gather's payload here is one rank's shard, 1/n of its buffer."""
+    return bus_factor(kind, n) * (n if kind == "all_gather" else 1)
 
 
 def _link(layout: RankLayout, axis: str, links: Links, ranks_per_host: int) -> float:

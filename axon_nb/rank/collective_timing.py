@@ -25,17 +25,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from axon_nb.spec.collectives import bus_factor
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
                "send_recv")  # fmt: skip
-
-
-def bus_factor(collective: str, n: int) -> float:
-    """nccl-tests' bus bandwidth factor for ``collective`` on ``n`` ranks."""
-    if collective == "all_reduce":
-        return 2 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (n - 1) / n
-    return 1.0
 
 
 def measure(
