@@ -3,8 +3,11 @@
 :func:`install` wraps the ``torch.distributed`` collectives once, for the life of the rank
 (the bootstrap calls it). Each call overwrites one module-level record (kind, this rank's
 sequence number, group, bytes, start, end), so keeping it costs a few attribute writes per
-collective and no I/O. :func:`current` reads it as plain data, from any thread. The metrics
-meter (``comm.CommMeter``) wraps these wrappers while training and restores them after.
+collective and no I/O. :func:`current` reads it as plain data, from any thread.
+
+This is the one place that wraps collectives: while a metrics meter is set
+(``comm.CommMeter.installed``, during training) each call is also measured for it (kind,
+payload bytes, time), and so are the functional collectives DTensor redistributes with.
 
 A collective called from inside another (``all_gather_object`` calls ``all_gather``) is
 recorded once, as the outer one.
@@ -26,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from axon_nb.metrics.comm import KINDS, Payload
+from axon_nb.metrics.payload import FUNCTIONAL, KINDS, Payload
 
 TRACKED: tuple[str, ...] = (
     *KINDS,
@@ -72,6 +75,15 @@ _last: _Record | None = None
 _seq = 0
 _local = threading.local()
 _installed = False
+_meter: Any = None
+"""The metrics meter calls are measured for (``comm.CommMeter``), while one is set."""
+
+
+def set_meter(meter: Any) -> Any:
+    """Measure every collective for ``meter`` (None: stop); the previous meter."""
+    global _meter
+    previous, _meter = _meter, meter
+    return previous
 
 
 def install() -> None:
@@ -84,6 +96,7 @@ def install() -> None:
     if _installed:
         return
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
 
     for name in TRACKED:
@@ -94,6 +107,10 @@ def install() -> None:
         setattr(dist, name, wrapped)
         if getattr(c10d, name, None) is fn:
             setattr(c10d, name, wrapped)
+    for name, kind in FUNCTIONAL.items():
+        fn = getattr(funcol, name, None)
+        if fn is not None:
+            setattr(funcol, name, _wrap_functional(kind, Payload(name, fn, "self"), fn))
     _installed = True
 
 
@@ -101,11 +118,18 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     params = list(inspect.signature(fn).parameters)
     at = params.index("group") if "group" in params else None  # found once, not per call
     payload = None if name in _NO_BYTES else Payload(name, fn)
+    kind = KINDS.get(name)  # measured for the meter (None: recorded only)
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
+        meter = _meter
+        if meter is not None and kind is not None and payload is not None:
+            return _measured(meter, kind, payload.nbytes(args, kwargs), _recorded, args, kwargs)
+        return _recorded(*args, **kwargs)
+
+    def _recorded(*args: Any, **kwargs: Any) -> Any:
         global _last, _seq
-        if getattr(_local, "inside", False):
+        if getattr(_local, "inside", False):  # inside another collective: it is the record
             return fn(*args, **kwargs)
         _seq += 1
         group = kwargs.get("group")
@@ -128,6 +152,55 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         return work
 
     return tracked
+
+
+def _wrap_functional(kind: str, payload: Payload, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A functional collective: measured for the meter only (it returns before its result is
+    waited for, so its time is the launch)."""
+
+    @functools.wraps(fn)
+    def measured(*args: Any, **kwargs: Any) -> Any:
+        meter = _meter
+        if meter is None:
+            return fn(*args, **kwargs)
+        return _measured(meter, kind, payload.nbytes(args, kwargs), fn, args, kwargs)
+
+    return measured
+
+
+def _measured(
+    meter: Any, kind: str, nbytes: int, call: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    """``call(*args, **kwargs)``, reported to ``meter`` when its result is ready: at once, or
+    (``async_op=True``) when its work's future completes."""
+    start = time.perf_counter()
+    work = call(*args, **kwargs)
+    if work is None or not hasattr(work, "get_future"):
+        meter.add(kind, nbytes, time.perf_counter() - start)
+        return work
+    done = lambda *_: meter.add(kind, nbytes, time.perf_counter() - start)  # noqa: E731
+    try:
+        work.get_future().add_done_callback(done)
+    except RuntimeError:  # gloo's reduce-scatter work has no future: time its wait()
+        return _TimedWork(work, done)
+    return work
+
+
+class _TimedWork:
+    """A ``Work`` whose ``wait()`` also reports the collective as done."""
+
+    def __init__(self, work: Any, done: Callable[[], None]) -> None:
+        self._work, self._done = work, done
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._work.wait(*args, **kwargs)
+        if self._done is not None:
+            self._done()
+            self._done = None
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 def _track_async(record: _Record, work: Any) -> None:
