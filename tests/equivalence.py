@@ -11,7 +11,7 @@ import axon_nb
 
 def full_params() -> dict[str, torch.Tensor]:
     """(On every rank) the run ``model``'s whole parameters, gathered by its strategy."""
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     state = trainstate.get("model")
     full = state.parallel.full_state_dict()  # a collective: gathers shards and stages

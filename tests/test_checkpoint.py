@@ -36,7 +36,7 @@ LOSS_TOL = 1e-5
 
 def _state(name: str) -> dict[str, Any]:
     """Run ``name``'s full model and optimizer state, gathered (rank 0's copy is complete)."""
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     state = trainstate.get(name)
     return {"step": state.step, **state.parallel.get_state(state.optimizer, full=True)}
@@ -142,7 +142,7 @@ def test_checkpoints_load_on_another_world_size(
 def _fail_at(step: str) -> None:
     """Make this rank's next save raise at ``step``: ``"_complete"`` (every part is written,
     no marker yet) or ``"_move_in"`` (the old checkpoint was just renamed aside)."""
-    from axon_nb.rank import checkpoint_io
+    from axon_nb.rank.checkpoint import checkpoint_io
 
     def crash(*args: Any) -> None:
         raise OSError("disk full (injected)")
@@ -153,7 +153,7 @@ def _fail_at(step: str) -> None:
 def _restore_save() -> None:
     import importlib
 
-    from axon_nb.rank import checkpoint_io
+    from axon_nb.rank.checkpoint import checkpoint_io
 
     importlib.reload(checkpoint_io)  # its functions as written
 
@@ -236,7 +236,7 @@ def test_a_crash_between_the_renames_still_finds_a_complete_checkpoint(
 def _someone_creates(what: str) -> None:
     """Just before this rank completes its next save, someone else puts a directory at its
     path (replacing what was there): ``"empty"``, or ``"files"`` holding theirs.txt."""
-    from axon_nb.rank import checkpoint_io
+    from axon_nb.rank.checkpoint import checkpoint_io
 
     complete = checkpoint_io._complete
 
@@ -339,7 +339,7 @@ def test_sharded_entries_that_are_not_plain_data_are_refused(tmp_path: Path) -> 
     plain pickle; SafeReader loads plain values only, and those the same as before."""
     import torch.distributed.checkpoint as dcp
 
-    from axon_nb.rank.safe_reader import SafeReader, UnsafeCheckpointError
+    from axon_nb.rank.checkpoint.safe_reader import SafeReader, UnsafeCheckpointError
 
     plain = {"w": torch.arange(4.0), "lr": 3e-3, "betas": (0.9, 0.95), "groups": [{"n": None}]}
     dcp.save(plain, checkpoint_id=tmp_path / "plain")
@@ -362,7 +362,7 @@ def test_sharded_entries_that_are_not_plain_data_are_refused(tmp_path: Path) -> 
 
 
 def _params(name: str) -> dict[str, torch.Tensor]:
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     state = trainstate.get(name)
     return {k: v.detach().clone() for k, v in state.parallel.full_state_dict().items()}

@@ -40,8 +40,8 @@ def test_strategies_side_by_side_and_failures_in_their_rows(cluster: axon_nb.Clu
     text = str(table)
     assert text.splitlines()[0].split()[:2] == ["strategy", "samples/s"]
     assert "<table>" in table._repr_html_()
-    assert cluster.run(lambda: __import__("axon_nb.rank.trainstate").rank.trainstate.runs(),
-                       stream=False) == [{}, {}]  # fmt: skip
+    runs = cluster.run(_runs, stream=False)
+    assert runs == [{}, {}]
 
 
 def test_compare_refuses_what_it_sets_itself(cluster: axon_nb.Cluster) -> None:
@@ -49,3 +49,9 @@ def test_compare_refuses_what_it_sets_itself(cluster: axon_nb.Cluster) -> None:
         cluster.compare([DDP()], strategy=DDP(), model=make_mlp, data=make_data, batch_size=8)
     with pytest.raises(ValueError, match="needs a list of strategies"):
         cluster.compare([], model=make_mlp, data=make_data, batch_size=8)
+
+
+def _runs() -> dict:
+    from axon_nb.rank.training import trainstate
+
+    return trainstate.runs()

@@ -56,7 +56,7 @@ def cluster() -> Iterator[axon_nb.Cluster]:
 
 
 def _rows_held() -> int:
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     return len(trainstate.get("model").dataset)
 

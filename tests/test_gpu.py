@@ -38,7 +38,7 @@ def cluster() -> Iterator[axon_nb.Cluster]:
 
 
 def _rank_params() -> dict[str, torch.Tensor]:
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     return {k: v.detach().cpu() for k, v in trainstate.get("model").module.state_dict().items()}
 
@@ -63,7 +63,7 @@ def test_ddp_on_nccl_matches_one_process_on_the_gpu(cluster: axon_nb.Cluster, ho
 
 
 def test_status_reports_gpu_memory(cluster: axon_nb.Cluster) -> None:
-    from axon_nb.rank.rank_status import rank_status
+    from axon_nb.rank.observe.rank_status import rank_status
     from axon_nb.widgets.status import status_text
 
     rows = cluster.run(rank_status, stream=False)
@@ -123,14 +123,14 @@ def test_compiled_bf16_run_with_prefetch_matches_one_process(cluster: axon_nb.Cl
 
 
 def _first_group() -> dict[str, Any]:
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     return trainstate.get("model").optimizer.param_groups[0]
 
 
 def test_status_and_memory_carry_nvml_figures(cluster: axon_nb.Cluster) -> None:
     pytest.importorskip("pynvml")
-    from axon_nb.rank.rank_status import rank_status
+    from axon_nb.rank.observe.rank_status import rank_status
 
     row = cluster.run(rank_status, stream=False)[0]
     assert 0 <= row["gpu_util"] <= 100 and 0 <= row["memory_bw_util"] <= 100
@@ -139,7 +139,7 @@ def test_status_and_memory_carry_nvml_figures(cluster: axon_nb.Cluster) -> None:
 
 
 def test_prefetched_batches_arrive_whole_and_in_order_on_the_gpu() -> None:
-    from axon_nb.rank.prefetch import prefetched
+    from axon_nb.rank.data.prefetch import prefetched
 
     steps = [[(torch.full((256, 256), float(i)).pin_memory(), torch.tensor([i]))] for i in range(5)]
     got = list(prefetched(iter(steps), torch.device("cuda", 0)))

@@ -113,7 +113,7 @@ def _shard_group() -> list[int]:
     """The ranks this rank's FSDP parameters are sharded over."""
     import torch.distributed as dist
 
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     param = next(trainstate.get("model").module.parameters())
     mesh = param.device_mesh

@@ -38,7 +38,7 @@ def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
     import threading
     import time
 
-    from axon_nb.rank.interrupts import import_safe_interrupts
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
 
     # A module whose import takes a while: the interrupt arrives in the middle of it.
     path = Path(__file__).parent / "_slow_import_probe.py"

@@ -81,8 +81,7 @@ def test_state_is_published_owner_only_and_controls_are_carried_out(
     _send(runtime, state["key"], "stop_run")
     result = handle.wait(timeout=60)
     assert result.stopped  # every rank at the same step boundary
-    steps = cluster.run(lambda: __import__("axon_nb.rank.trainstate").rank.trainstate.get(
-        "model").step, stream=False)  # fmt: skip
+    steps = cluster.run(_model_step, stream=False)
     assert steps[0] == steps[1] == result.step
     _until(lambda: _state(runtime)["run"]["state"] == "stopped", "the stopped run")
     assert not list(runtime.glob("control-*"))  # read and removed
@@ -123,3 +122,9 @@ def test_entries_of_dead_kernels_are_pruned(tmp_path: Path) -> None:
     (tmp_path / "cluster-live-1.json").write_text(json.dumps({"pid": __import__("os").getpid()}))
     prune(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster-live-1.json"]
+
+
+def _model_step() -> int:
+    from axon_nb.rank.training import trainstate
+
+    return trainstate.get("model").step

@@ -190,7 +190,7 @@ def test_axon_status_and_axon_dashboard_show_the_ranks_and_the_latest_run(shell,
     assert lines[0].split() == ["rank", "host", "device", "backend", "memory", "training", "runs"]
     assert lines[1].startswith("0") and lines[2].startswith("1")
     assert "MiB RSS" in lines[1] and "shown @ step 3" in lines[2]
-    from axon_nb.rank.rank_status import rank_status
+    from axon_nb.rank.observe.rank_status import rank_status
 
     widget = status_widget(cluster.run(rank_status, stream=False))
     assert widget.value.count("<tr>") == 3 and "shown @ step 3" in widget.value

@@ -25,7 +25,7 @@ LONG = 1_000_000
 
 
 def _state(name: str = "model") -> dict[str, Any]:
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     state = trainstate.get(name)
     params = {k: v.detach().clone() for k, v in state.module.state_dict().items()}

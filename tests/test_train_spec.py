@@ -54,7 +54,7 @@ def test_ddp_options_are_checked() -> None:
 
 
 def test_learning_rate_warms_up_then_decays() -> None:
-    from axon_nb.rank.trainstate import LRShape
+    from axon_nb.rank.training.trainstate import LRShape
 
     cosine = LRShape(warmup_steps=4, horizon=14, shape="cosine")
     assert [cosine(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

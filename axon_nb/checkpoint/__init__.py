@@ -1,6 +1,6 @@
 """Checkpoints (kernel side): the on-disk format, and ``save`` / ``load`` over a cluster.
 
-The ranks' side of writing and reading is ``axon_nb.rank.checkpoint_io``.
+The ranks' side of writing and reading is ``axon_nb.rank.checkpoint.checkpoint_io``.
 """
 
 from axon_nb.checkpoint.on_cluster import load, save

@@ -1,6 +1,6 @@
 """``cluster.bandwidth()`` and ``%axon_bench``: nccl-tests-style figures, shown and kept.
 
-The ranks time each collective (``axon_nb.rank.collective_timing``); the kernel keeps the
+The ranks time each collective (``axon_nb.rank.observe.collective_timing``); the kernel keeps the
 results on the cluster (``cluster.bandwidth_results``) and
 shows them as a table with a plot of bus bandwidth against size.
 
@@ -23,7 +23,7 @@ from axon_nb.tables import html_table, text_table
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all",
                "send_recv")  # fmt: skip
-"""What can be measured (the same names as ``axon_nb.rank.collective_timing``)."""
+"""What can be measured (the same names as ``axon_nb.rank.observe.collective_timing``)."""
 MIN_BYTES, MAX_BYTES = 4, 2**33
 UNITS = {"": 1, "B": 1, "K": 2**10, "M": 2**20, "G": 2**30}
 

@@ -2,7 +2,7 @@
 
 The scheduler runs in the ipyparallel controller (what ``ipyparallel.Client.become_dask``
 asks it for) and binds the controller's address: loopback on one host, the ranks' network
-across hosts. Each rank's engine runs one worker (``axon_nb.rank.dask_worker``) on its own
+across hosts. Each rank's engine runs one worker (``axon_nb.rank.data.dask_worker``) on its own
 address toward the scheduler, so dask work (reading files, filtering, featurizing) runs on
 the ranks' cores and memory, and what a rank computes for training stays in its process.
 

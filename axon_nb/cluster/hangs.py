@@ -2,8 +2,8 @@
 
 ``WatchDir`` is a cluster's owner-only (0700) directory under Jupyter's runtime directory.
 The kernel writes a request number into it; every rank's ``axon-watch`` thread
-(``axon_nb/rank/watch.py``) answers with its stacks, without the rank's main thread, which may
-be busy or stuck. A rank that does not answer in time is sent ``SIGUSR1``, on which
+(``rank/observe/watch.py``) answers with its stacks, without the rank's main thread, which
+may be busy or stuck. A rank that does not answer in time is sent ``SIGUSR1``, on which
 ``faulthandler`` dumps its stacks from C. :func:`collect` turns the answers into a
 :class:`~axon_nb.cluster.stacks.StackReport`.
 

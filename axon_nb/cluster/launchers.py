@@ -27,13 +27,13 @@ MPI_HINT = (
 ENGINE_CMD = [
     sys.executable,
     "-m",
-    "axon_nb.rank.launch",
+    "axon_nb.rank.world.launch",
     sys.executable,
     "-m",
-    "axon_nb.rank.engine",
+    "axon_nb.rank.world.engine",
 ]
-"""What ``mpiexec`` starts on each rank: the engine (``rank/engine.py``: ipyparallel's, with
-torch imported on a side thread) under its parent, ``rank/launch.py``."""
+"""What ``mpiexec`` starts on each rank: the engine (``rank/world/engine.py``: ipyparallel's, with
+torch imported on a side thread) under its parent, ``rank/world/launch.py``."""
 
 ENGINE_ARGS = ["--IPEngine.timeout=120"]
 """The engine waits this long for the controller to answer its registration. ipyparallel's 5 s
@@ -117,7 +117,7 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions, log_path: str)
     launcher.environment = {**environment, **engine_environment(log_path)}
     launcher.engine_args = list(ENGINE_ARGS)  # (ipyparallel adds --mpi)
     # A rank killed by a signal must not take the others with it (hydra's and gforker's
-    # process managers end the rest): its parent, ``rank/launch.py``, keeps its MPI slot, and
+    # process managers end the rest): its parent, ``rank/world/launch.py``, keeps its MPI slot, and
     # the survivors keep their state (``cluster.rescue``).
     launcher.engine_cmd = ENGINE_CMD
     if _is_hydra(mpiexec):

@@ -1,6 +1,6 @@
 """``StackReport``: where every rank is, as one compact text (``%axon_stacks``, hang reports).
 
-Built from what each rank's watch thread writes (``axon_nb/rank/watch.py``): every thread's
+Built from what each rank's watch thread writes (``axon_nb/rank/observe/watch.py``): every thread's
 Python stack and the rank's current or last collective. Ranks are grouped by where they are:
 those waiting in the same collective share a line, and each rank elsewhere is shown at its
 innermost frame of user code (frames of the standard library, installed packages and axon_nb
@@ -256,7 +256,7 @@ class StackReport:
 
 
 def rank_stacks(data: dict[str, Any]) -> RankStacks:
-    """A rank's answer (``rank/watch.py``'s JSON) as a :class:`RankStacks`."""
+    """A rank's answer (``rank/observe/watch.py``'s JSON) as a :class:`RankStacks`."""
     threads = tuple(
         ThreadStack(
             name=t["name"],

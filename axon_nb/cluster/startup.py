@@ -66,7 +66,7 @@ def wait_for_engines(
 
 def local_rank_processes(cluster: ipp.Cluster) -> int | None:
     """Engines alive under this host's MPI launcher (each is the child of its rank's parent,
-    ``rank/launch.py``, which outlives a killed engine); None before any was spawned."""
+    ``rank/world/launch.py``, which outlives a killed engine); None before any was spawned."""
     count = 0
     for launcher in cluster.engines.values():
         try:
@@ -75,7 +75,7 @@ def local_rank_processes(cluster: ipp.Cluster) -> int | None:
             continue
         for proc in below:
             try:
-                if "axon_nb.rank.launch" in proc.cmdline():
+                if "axon_nb.rank.world.launch" in proc.cmdline():
                     count += sum(alive(c.pid) for c in proc.children())
             except psutil.Error:
                 continue

@@ -16,8 +16,8 @@ import psutil
 
 from axon_nb.spec.stop_waits import ASK_S, KILL_AFTER_S
 
-RANK_PARENT = "axon_nb.rank.launch"
-"""The module each rank's parent runs (``rank/launch.py``); SIGTERM to it stops its rank."""
+RANK_PARENT = "axon_nb.rank.world.launch"
+"""The module each rank's parent runs (``rank/world/launch.py``); SIGTERM to it stops its rank."""
 
 
 def alive(pid: int) -> bool:

@@ -38,7 +38,7 @@ from axon_nb.estimate.profile import ModelProfile
 from axon_nb.estimate.rank_layout import RankLayout
 
 AGREEMENT_BYTES = 16
-"""The training loop's per-step all-reduce (loss, stop flag; ``rank/agreement.py``)."""
+"""The training loop's per-step all-reduce (loss, stop flag; ``rank/training/agreement.py``)."""
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 

@@ -1,4 +1,4 @@
-"""Profile a model without a cluster: the probe (``axon_nb.rank.model_probe``) runs in a
+"""Profile a model without a cluster: the probe (``axon_nb.rank.observe.model_probe``) runs in a
 short-lived Python subprocess, so the kernel itself never imports torch.
 
 Example::
@@ -35,7 +35,7 @@ def profile(
             cloudpickle.dump({"model": model, "data": data, "loss": loss, "samples": samples}, f)
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         done = subprocess.run(
-            [sys.executable, "-m", "axon_nb.rank.model_probe", request, answer],
+            [sys.executable, "-m", "axon_nb.rank.observe.model_probe", request, answer],
             capture_output=True, text=True, timeout=timeout, env=env, cwd=os.getcwd(),
         )  # fmt: skip
         last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]

@@ -1,7 +1,7 @@
 """``ModelProfile``: what the predictions know about a model, as plain data.
 
 It is measured by one forward and backward of the real model in a process with torch
-(``axon_nb.rank.model_probe``: on a rank with :meth:`Cluster.profile`, or in a short-lived
+(``axon_nb.rank.observe.model_probe``: on a rank with :meth:`Cluster.profile`, or in a short-lived
 subprocess by :func:`axon_nb.estimate.profile`), never in the kernel. Per-sample figures scale
 with the samples a rank processes at once.
 

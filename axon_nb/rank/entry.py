@@ -34,7 +34,7 @@ def call(packed: bytes) -> Any:
 
 def bootstrap_mpi(spec: BootstrapSpec) -> dict[str, Any]:
     """Under MPI: find rank, host and device among the ranks and join the torch world."""
-    from axon_nb.rank import bootstrap
+    from axon_nb.rank.world import bootstrap
 
     return bootstrap.bootstrap_mpi(spec)
 
@@ -43,7 +43,7 @@ def probe_by_engine_id(world_size: int) -> Probe:
     """Without MPI: this engine's facts, taking its engine id as its rank (all on one host)."""
     from IPython import get_ipython
 
-    from axon_nb.rank import bootstrap
+    from axon_nb.rank.world import bootstrap
 
     rank = int(get_ipython().kernel.engine_id)  # ipyparallel engines expose their id here
     return bootstrap.probe(rank, rank, world_size)
@@ -51,28 +51,28 @@ def probe_by_engine_id(world_size: int) -> Probe:
 
 def join_world(plan: RankPlan, timeout_s: float, watch_dir: str | None) -> dict[str, Any]:
     """Without MPI: join the torch world as the kernel planned."""
-    from axon_nb.rank import bootstrap
+    from axon_nb.rank.world import bootstrap
 
     return bootstrap.join_world(plan, timeout_s, watch_dir=watch_dir)
 
 
 def free_port() -> int:
     """A free TCP port on this rank's host (for a new rendezvous)."""
-    from axon_nb.rank import bootstrap
+    from axon_nb.rank.world import bootstrap
 
     return bootstrap.free_port()
 
 
 def reform(master_port: int) -> dict[str, object]:
     """Leave the current process group and join a fresh one on ``master_port``."""
-    from axon_nb.rank import world
+    from axon_nb.rank.world import world
 
     return world.reform(master_port)
 
 
 def sever() -> int:
     """Make this rank's pending collectives fail (its peers have left them)."""
-    from axon_nb.rank import world
+    from axon_nb.rank.world import world
 
     return world.sever()
 
@@ -81,16 +81,16 @@ def sever() -> int:
 
 
 # Work that imports and builds things runs with Ctrl-C held back during imports (see
-# rank/interrupts.py): an interrupt mid-import would break the module for good.
+# rank/world/interrupts.py): an interrupt mid-import would break the module for good.
 
 
 def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
     """Run a training spec (pickled) to the end; this rank's summary. A first Ctrl-C from
     here on (imports and setup included) stops the run at a step boundary."""
-    from axon_nb.rank.interrupts import StopSignal
+    from axon_nb.rank.world.interrupts import StopSignal
 
     with StopSignal() as stop:
-        from axon_nb.rank import loop
+        from axon_nb.rank.training import loop
 
         return loop.train_on_rank(spec_bytes, run_id, stop)
 
@@ -98,20 +98,20 @@ def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
 def save_checkpoint(name: str, target: SaveTarget) -> int:
     """Write run ``name``'s checkpoint where ``target`` says (every rank takes part); the step
     saved."""
-    from axon_nb.rank.interrupts import import_safe_interrupts
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
 
     with import_safe_interrupts():
-        from axon_nb.rank import checkpoint_io
+        from axon_nb.rank.checkpoint import checkpoint_io
 
         return checkpoint_io.save(name, target)
 
 
 def load_checkpoint(name: str, path: str) -> int:
     """Load the checkpoint at ``path`` into run ``name``; the step loaded."""
-    from axon_nb.rank.interrupts import import_safe_interrupts
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
 
     with import_safe_interrupts():
-        from axon_nb.rank import checkpoint_io
+        from axon_nb.rank.checkpoint import checkpoint_io
 
         return checkpoint_io.load(name, path)
 
@@ -119,14 +119,14 @@ def load_checkpoint(name: str, path: str) -> int:
 def rescue_pieces(name: str, directory: str) -> dict[str, Any]:
     """(Each survivor of a dead rank) write the pieces of run ``name`` this rank holds into
     ``directory``, with no collective."""
-    from axon_nb.rank import rescue
+    from axon_nb.rank.checkpoint import rescue
 
     return rescue.write_pieces(name, directory)
 
 
 def rescue_assemble(name: str, target: SaveTarget, dead: list[int]) -> dict[str, Any]:
     """(One survivor) put every survivor's pieces together into a full checkpoint."""
-    from axon_nb.rank import rescue
+    from axon_nb.rank.checkpoint import rescue
 
     return rescue.assemble(name, target, dead)
 
@@ -140,7 +140,7 @@ def run_script(path: str, args: list[str], cwd: str) -> int:
 
 def rank_status() -> dict[str, Any]:
     """This rank's placement, memory and training runs (``%axon_status``)."""
-    from axon_nb.rank import rank_status
+    from axon_nb.rank.observe import rank_status
 
     return rank_status.rank_status()
 
@@ -150,14 +150,14 @@ def rank_status() -> dict[str, Any]:
 
 def profile_model(model: Any, data: Any, loss: Any, samples: int) -> dict[str, Any]:
     """One probe forward and backward of ``model`` (``Cluster.profile``)."""
-    from axon_nb.rank.model_probe import profile_from
+    from axon_nb.rank.observe.model_probe import profile_from
 
     return profile_from(model, data, loss, samples)
 
 
 def measure_collectives(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
     """Collective bandwidth on this rank's axis (``Cluster.bandwidth``)."""
-    from axon_nb.rank.collective_timing import measure
+    from axon_nb.rank.observe.collective_timing import measure
 
     return measure(*args, **kwargs)
 
@@ -166,7 +166,7 @@ def drop_run(name: str) -> None:
     """Forget a training run's state (``compare`` between candidates)."""
     import gc
 
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     trainstate.drop(name)
     gc.collect()
@@ -174,6 +174,7 @@ def drop_run(name: str) -> None:
 
 def start_dask_worker(scheduler: str) -> None:
     """Start this rank's dask worker, named for the rank (``Cluster.dask``)."""
-    from axon_nb.rank import dask_worker, runtime
+    from axon_nb.rank import runtime
+    from axon_nb.rank.data import dask_worker
 
     dask_worker.start_worker(scheduler, f"rank-{runtime.context().rank}")

@@ -1,5 +1,5 @@
 """What the kernel asks of every rank when it joins the world, and the route lookup both
-sides use to pick the ranks' network (pure Python: the kernel builds it, ``rank/bootstrap.py``
+sides use to pick the ranks' network (pure Python: the kernel builds it, ``rank/world/bootstrap.py``
 carries it out)."""
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ class BootstrapSpec:
     timeout_s: float = 300.0
     """Timeout of collectives, in seconds."""
     watch_dir: str | None = None
-    """The cluster's owner-only directory where the kernel asks for stacks (``rank/watch.py``)."""
+    """The cluster's owner-only directory where the kernel asks for stacks
+    (``rank/observe/watch.py``)."""
     iface: str | None = None
     """Across hosts: the network interface the ranks use; None: the one that routes to
     ``kernel_addr``."""

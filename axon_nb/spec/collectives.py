@@ -3,7 +3,7 @@
 nccl-tests reports ``busbw = algbw x factor``, where ``algbw`` is the collective's size (the
 whole buffer: the reduced tensor, or the gathered output) over its time. The factor is the
 share of that size each rank sends over its link, so ``busbw`` is comparable with the link's
-bandwidth whatever the collective. ``rank/collective_timing.py`` measures with it and
+bandwidth whatever the collective. ``rank/observe/collective_timing.py`` measures with it and
 ``estimate/step_time.py`` predicts with it.
 """
 

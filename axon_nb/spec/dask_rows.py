@@ -1,7 +1,7 @@
 """The rows side of dask data, torch-free (the kernel builds its plan with it): cutting a
 collection's rows into equal pieces, assembling a rank's pieces from partitions, one
 partition as arrays, and ``DaskShards``, what the ranks receive. The order the pieces are read
-in is ``axon_nb.rank.dask_shard``'s.
+in is ``axon_nb.rank.data.dask_shard``'s.
 
 Example::
 

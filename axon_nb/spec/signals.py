@@ -6,4 +6,4 @@ import signal
 
 NATIVE_SIGNAL = signal.SIGUSR1
 """Sent to a rank that does not answer a stack request (holding the GIL in native code):
-``faulthandler`` dumps its stacks from C (``rank/watch.py`` registers it)."""
+``faulthandler`` dumps its stacks from C (``rank/observe/watch.py`` registers it)."""

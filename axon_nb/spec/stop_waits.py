@@ -4,7 +4,7 @@ Every stop path (``Cluster.stop``, ``restart``, kernel exit, the reaper after a 
 escalates the same way:
 
 1. **ask**: the engines get a shutdown request; an idle engine exits 0 at once.
-2. **SIGTERM**: each rank's parent (``axon_nb.rank.launch``, on every host) and the MPI
+2. **SIGTERM**: each rank's parent (``axon_nb.rank.world.launch``, on every host) and the MPI
    launcher get SIGTERM; the parent passes it to its engine.
 3. **SIGKILL**: a rank's parent SIGKILLs its engine's whole process tree (engine and nanny)
    :data:`TERM_S` after its SIGTERM, so a rank busy in a cell, stuck in a collective or holding

@@ -32,7 +32,7 @@ SCHEDULES = ("constant", "linear", "cosine")
 MIXED_PRECISION = (None, "bf16", "fp16")
 
 RANK_NAMES = ("rank", "world_size", "local_rank", "device")
-"""Names every rank predefines in its namespace (``axon_nb.rank.bootstrap``)."""
+"""Names every rank predefines in its namespace (``axon_nb.rank.world.bootstrap``)."""
 
 MODULE_NAMES = ("torch", "dist", "nn", "F", "np", "os", "sys", "math", "time")
 """Names that ``%%axon`` cells commonly import modules as."""
@@ -258,7 +258,7 @@ def _check(spec: TrainSpec) -> list[str]:
 
 
 LOADER_OPTIONS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
-"""``loader=`` keys (``axon_nb.rank.data`` passes them to each rank's DataLoader)."""
+"""``loader=`` keys (``axon_nb.rank.data.shards`` passes them to each rank's DataLoader)."""
 
 
 def _check_loader(loader: Any) -> list[str]:

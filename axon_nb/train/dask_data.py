@@ -1,7 +1,7 @@
 """Training data from a dask DataFrame, Array pair or Bag, laid out over the ranks' workers.
 
 In the kernel only the plan is made; the rows never pass through it. Partition ``k`` is
-computed on the worker of the rank that owns piece ``k`` (``axon_nb.rank.dask_shard``), the
+computed on the worker of the rank that owns piece ``k`` (``axon_nb.rank.data.dask_shard``), the
 partition lengths come back as numbers, and each rank's worker assembles the rank's pieces
 (moving only the rows at piece edges from a neighbour). The loop then reads them from the
 worker's memory in its own process.
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
-    from axon_nb.rank.dask_shard import PiecesDataset
+    from axon_nb.rank.data.dask_shard import PiecesDataset
     from axon_nb.spec.dask_rows import DaskShards
     from axon_nb.spec.parallel_dims import ParallelDims
 
@@ -181,7 +181,7 @@ def local(data: Any, columns: Any, per_step: int) -> PiecesDataset:
     (what ``train_local`` trains on)."""
     import dask
 
-    from axon_nb.rank.dask_shard import PiecesDataset
+    from axon_nb.rank.data.dask_shard import PiecesDataset
     from axon_nb.spec.dask_rows import assemble, length, pieces_of
 
     parts = dask.compute(*partitions(data, columns))

@@ -49,7 +49,7 @@ def train_local(
     import torch
 
     from axon_nb.rank import runtime
-    from axon_nb.rank.loop import run
+    from axon_nb.rank.training.loop import run
 
     spec = make_spec(
         SingleDevice,

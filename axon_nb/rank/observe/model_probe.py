@@ -264,7 +264,7 @@ def profile_from(model: Any, data: Any, loss: Any = None, samples: int = 4) -> d
 
     from torch.utils.data import default_collate
 
-    from axon_nb.rank.data import resolve_dataset
+    from axon_nb.rank.data.shards import resolve_dataset
 
     built = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
     if not isinstance(built, nn.Module):
@@ -301,7 +301,7 @@ def _random_tokens(model: nn.Module, samples: int) -> tuple[torch.Tensor, torch.
 
 
 def main() -> None:
-    """``python -m axon_nb.rank.model_probe IN OUT``: the arguments of :func:`profile_from`,
+    """``python -m axon_nb.rank.observe.model_probe IN OUT``: the arguments of :func:`profile_from`,
     pickled in IN by cloudpickle; the profile written to OUT as JSON. How the kernel profiles
     a model without a cluster, and without importing torch itself."""
     import json

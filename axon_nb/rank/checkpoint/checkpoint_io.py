@@ -19,9 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from axon_nb.parallel.activation_checkpoint import canonical_name
-from axon_nb.rank import runtime, trainstate
-from axon_nb.rank.safe_reader import SafeReader
-from axon_nb.rank.trainstate import TrainState
+from axon_nb.rank import runtime
+from axon_nb.rank.checkpoint.safe_reader import SafeReader
+from axon_nb.rank.training import trainstate
+from axon_nb.rank.training.trainstate import TrainState
 from axon_nb.spec.checkpoint_format import (
     FULL_STATE_FILE,
     PRIVATE_DIR_MODE,

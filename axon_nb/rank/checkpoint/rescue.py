@@ -23,8 +23,9 @@ import torch
 
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
 from axon_nb.parallel.optim_state import by_name, single_group
-from axon_nb.rank import checkpoint_io, runtime
-from axon_nb.rank.trainstate import TrainState
+from axon_nb.rank import runtime
+from axon_nb.rank.checkpoint import checkpoint_io
+from axon_nb.rank.training.trainstate import TrainState
 from axon_nb.spec.checkpoint_format import Checkpoint, SaveTarget
 
 PIECES = "pieces-rank{rank}.pt"

@@ -20,7 +20,7 @@ engine writes there, so no pipe of the MPI launcher lies between an engine and i
 shares this process group (hydra signals the group) and is SIGKILLed if this process dies.
 Usage (what ``cluster/launchers.py`` configures)::
 
-    mpiexec -n 4 python -m axon_nb.rank.launch python -m axon_nb.rank.engine --mpi
+    mpiexec -n 4 python -m axon_nb.rank.world.launch python -m axon_nb.rank.world.engine --mpi
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class _Stopping:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m axon_nb.rank.launch COMMAND [ARGS...]", file=sys.stderr)
+        print("usage: python -m axon_nb.rank.world.launch COMMAND [ARGS...]", file=sys.stderr)
         return 2
     parent = os.getppid()
     _set_death_signal(signal.SIGTERM)  # the MPI launcher died: stop the engine too

@@ -24,13 +24,14 @@ from axon_nb.metrics.peak import PeakTracker
 from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.parallel.grad_scaler import GradScaler
 from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
-from axon_nb.rank import runtime, trainstate
-from axon_nb.rank.agreement import StepAgreement
-from axon_nb.rank.checkpoint_schedule import PeriodicCheckpoints
-from axon_nb.rank.data import StepBatches, resolve_dataset
-from axon_nb.rank.interrupts import StopSignal
-from axon_nb.rank.iterable import IterableSteps
-from axon_nb.rank.trainstate import LRShape, TrainState
+from axon_nb.rank import runtime
+from axon_nb.rank.checkpoint.checkpoint_schedule import PeriodicCheckpoints
+from axon_nb.rank.data.iterable import IterableSteps
+from axon_nb.rank.data.shards import StepBatches, resolve_dataset
+from axon_nb.rank.training import trainstate
+from axon_nb.rank.training.agreement import StepAgreement
+from axon_nb.rank.training.trainstate import LRShape, TrainState
+from axon_nb.rank.world.interrupts import StopSignal
 from axon_nb.spec.train_spec import OPTIMIZERS, TrainSpec
 
 
@@ -110,7 +111,7 @@ def run(
 
 
 Batches = StepBatches | IterableSteps
-"""A run's data, step by step: map-style (``rank.data``) or a stream (``rank.iterable``)."""
+"""A run's data, step by step: map-style (``data/shards.py``) or a stream (``data/iterable.py``)."""
 
 
 class _PeerFailed(Exception):
@@ -271,7 +272,7 @@ class _Loop:
         self.meter = CommMeter()
         self.agreement = StepAgreement(ctx.world_size, ctx.device)
         self._records: deque[dict[str, Any]] = deque()
-        """Metrics of steps whose agreement is not read yet (see ``axon_nb.rank.agreement``)."""
+        """Metrics of steps whose agreement is not read yet (see ``agreement.py``)."""
         self.micro = _MicroStep(spec, ctx, state.scaler)
         self.stopped = False
         self.data_ended_at: int | None = None

@@ -3,7 +3,7 @@
 The worker lives on the engine's event loop (as ipyparallel's ``become_dask`` puts it) and
 listens on this rank's address toward the scheduler (loopback when the cluster is on one
 host). What it computes for training stays in this process: the loop reads it from the
-worker's memory (``axon_nb.rank.dask_shard``), never over a socket.
+worker's memory (``axon_nb.rank.data.dask_shard``), never over a socket.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ from typing import Any
 
 import psutil
 
-from axon_nb.rank import runtime, world
+from axon_nb.rank import runtime
+from axon_nb.rank.world import world
 from axon_nb.spec.bootstrap_spec import BootstrapSpec, address_toward
 from axon_nb.spec.placement import PlacementError, Probe, RankPlan, plan_world
 
@@ -68,7 +69,7 @@ def join_world(
 ) -> dict[str, Any]:
     """Bind the device, export the torchrun environment and initialize the process group.
 
-    With ``watch_dir``, the rank then answers stack requests there (``rank/watch.py``).
+    With ``watch_dir``, the rank then answers stack requests there (``rank/observe/watch.py``).
     """
     import torch
     import torch.distributed as dist
@@ -107,7 +108,7 @@ def join_world(
     runtime.set_context(ctx)
     _predefine_names(ctx)
     if watch_dir is not None:
-        from axon_nb.rank import watch
+        from axon_nb.rank.observe import watch
 
         watch.start(watch_dir, ctx.rank)
     return ctx.summary()

@@ -48,7 +48,7 @@ def get(name: str = "model") -> TrainState:
 
     Example (in a ``%%axon`` cell)::
 
-        from axon_nb.rank import trainstate
+        from axon_nb.rank.training import trainstate
         trainstate.get("model").optimizer.param_groups[0]["lr"]
     """
     if name not in _STATES:

@@ -12,7 +12,7 @@ from axon_nb.rank import runtime
 
 def rank_status() -> dict[str, Any]:
     """This rank's placement and memory (bytes), plus the training runs it holds."""
-    from axon_nb.rank import trainstate
+    from axon_nb.rank.training import trainstate
 
     ctx = runtime.context()
     row: dict[str, Any] = {**ctx.summary(), "rss_bytes": psutil.Process().memory_info().rss}

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
-from axon_nb.rank.dask_shard import PiecesDataset
-from axon_nb.rank.prefetch import prefetched
+from axon_nb.rank.data.dask_shard import PiecesDataset
+from axon_nb.rank.data.prefetch import prefetched
 from axon_nb.spec.dask_rows import DaskShards, is_dask_data
 
 
 def _dask_pieces(shards: DaskShards, rank: int) -> PiecesDataset:
     """``rank``'s pieces of a dask collection, from its own dask worker's memory."""
-    from axon_nb.rank.dask_worker import local_data
+    from axon_nb.rank.data.dask_worker import local_data
 
     x, y = local_data(shards.keys[rank])
     return PiecesDataset(
@@ -38,7 +38,7 @@ def resolve_dataset(data: Any, rank: int = 0) -> Dataset[Any]:
             "the ranks' dask workers instead of computed whole on every rank"
         )
     if isinstance(dataset, IterableDataset):
-        return dataset  # read as a stream (axon_nb.rank.iterable)
+        return dataset  # read as a stream (axon_nb.rank.data.iterable)
     if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(
             f"data must be a map-style Dataset (with __len__ and __getitem__), an "
@@ -93,7 +93,7 @@ class StepBatches:
 
     def on_device(self, step: int) -> Iterator[list[Any]]:
         """:meth:`from_step` with the batches on the rank's device, prefetched one step ahead
-        on a GPU (``axon_nb.rank.prefetch``)."""
+        on a GPU (``axon_nb.rank.data.prefetch``)."""
         return prefetched(self.from_step(step), self.device)
 
     def from_step(self, step: int) -> Iterator[list[Any]]:

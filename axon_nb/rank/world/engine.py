@@ -5,9 +5,9 @@ Importing torch is most of a rank's start-up (about 1.4 s of CPU here); done aft
 registration, the first cell waits for it. The side thread overlaps it with the engine's own
 imports and its registration with the controller, so the world is joined as soon as the
 engines are. The import runs off the main thread, so a Ctrl-C cannot land inside it (see
-``rank/interrupts.py``). Usage (what ``cluster/launchers.py`` configures)::
+``rank/world/interrupts.py``). Usage (what ``cluster/launchers.py`` configures)::
 
-    python -m axon_nb.rank.launch python -m axon_nb.rank.engine --mpi
+    python -m axon_nb.rank.world.launch python -m axon_nb.rank.world.engine --mpi
 """
 
 from __future__ import annotations

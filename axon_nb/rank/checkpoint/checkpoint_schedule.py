@@ -25,8 +25,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 
-from axon_nb.rank import checkpoint_io, runtime
-from axon_nb.rank.trainstate import TrainState
+from axon_nb.rank import runtime
+from axon_nb.rank.checkpoint import checkpoint_io
+from axon_nb.rank.training.trainstate import TrainState
 from axon_nb.spec.checkpoint_format import Checkpoint
 from axon_nb.spec.checkpoint_series import checkpoints, path_for
 

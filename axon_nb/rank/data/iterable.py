@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from axon_nb.rank.data import loader_options
-from axon_nb.rank.prefetch import prefetched
+from axon_nb.rank.data.prefetch import prefetched
+from axon_nb.rank.data.shards import loader_options
 
 
 def is_iterable(data: Any) -> bool:

@@ -1,0 +1,2 @@
+"""Checkpoints on the rank side: writing and reading them (tensors and allow-listed metadata
+only), the periodic schedule, rescue from survivors."""
