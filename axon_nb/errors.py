@@ -64,12 +64,22 @@ class RankError(AxonError):
 class RankDiedError(RankError):
     """A rank's process died while running code; the cluster needs a restart."""
 
+    log = ""
+    """The end of the cluster's log (the engines' output) and where all of it is."""
+
+    def with_log(self, log: str) -> RankDiedError:
+        """This error, its message ending with ``log`` (what the rank printed last)."""
+        self.log = log
+        self.args = (self._headline(),)
+        return self
+
     def _headline(self) -> str:
-        return (
+        headline = (
             f"rank {self.rank} died while running ({self.evalue}). The world is broken: "
             "run `%axon_cluster --restart` (or `cluster.restart()`) to start fresh ranks; "
             "first, `cluster.rescue(path)` saves what the surviving ranks hold"
         )
+        return f"{headline}\n{self.log}" if self.log else headline
 
     def _render_traceback_(self) -> list[str]:
         return [f"{type(self).__name__}: {self._headline()}"]

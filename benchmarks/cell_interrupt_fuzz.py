@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import threading
 import time
 from typing import Any
@@ -45,6 +46,7 @@ CHECK = [
     "print('steps', cluster.train(make_model, data, loss=loss, steps=3, batch_size=16).step)",
 ]
 BAD = ("Logging error", "BrokenPipe")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def run(kc: Any, code: str, timeout: float = 120) -> tuple[str, str]:
@@ -126,8 +128,9 @@ def trial(kernel: Kernel, rng: random.Random) -> tuple[bool, str]:
     usable = usable and "sum 2.0" in joined and "steps 3" in joined
     bad = [b for b in BAD if b in joined]
     what = f"{name} at {[round(d / length, 2) for d in delays]} of the call: {status}"
-    if bad or not usable:
-        what += f"; NOT USABLE {bad}: {joined[-800:]}"
+    if bad or not usable:  # what the interrupted call said names the cause (a rank's log)
+        what += f"; NOT USABLE {bad}:\n{ANSI.sub('', text)[-3000:]}"
+        run(kernel.kc, "%axon_cluster --restart", timeout=180)  # the next trial starts fresh
     return usable and not bad, what
 
 

@@ -64,6 +64,16 @@ class ClusterLog:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def ending(self, lines: int = 15) -> str:
+        """The last ``lines`` non-blank lines and where the whole log is, to explain a
+        failure."""
+        tail = [ln for ln in self.tail(200).splitlines() if ln.strip()][-lines:]
+        return (
+            f"The cluster's log ({self.path}) ends:\n" + "\n".join(tail)
+            if tail
+            else f"Log: {self.path}"
+        )
+
     def close(self) -> None:
         """Stop writing (the file stays for the errors that named it)."""
         self.logger.removeHandler(self._handler)

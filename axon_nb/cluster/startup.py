@@ -138,11 +138,7 @@ def _join_planned_by_kernel(
 
 def log_tail(log: ClusterLog | None, lines: int = 15) -> str:
     """The end of the cluster's log and where the whole of it is, to explain a failure."""
-    if log is None:
-        return ""
-    tail = "\n".join(ln for ln in log.tail(200).splitlines() if ln.strip())
-    tail = "\n".join(tail.splitlines()[-lines:])
-    return f"The cluster's log ({log.path}) ends:\n{tail}" if tail else f"Log: {log.path}"
+    return "" if log is None else log.ending(lines)
 
 
 def copy_launcher_output(cluster: ipp.Cluster, log: ClusterLog) -> None:

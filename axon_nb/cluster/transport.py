@@ -251,7 +251,9 @@ class Transport:
             )
         except RankDiedError as e:
             self._dead.add(e.rank)
-            self._broken = f"rank {e.rank} died"
+            where = f" (its output: {self.log.path})" if self.log is not None else ""
+            self._broken = f"rank {e.rank} died{where}"
+            e.with_log(self.log.ending() if self.log is not None else "")
             raise
         finally:
             if control.released and not self._broken and self.ranks:

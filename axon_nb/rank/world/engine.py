@@ -26,6 +26,10 @@ def main() -> None:
     threading.Thread(target=_import_torch, name="axon-import-torch", daemon=True).start()
     from ipyparallel.engine.app import main as engine_main
 
+    from axon_nb.rank.world import engine_interrupts
+
+    engine_interrupts.install()  # Ctrl-C interrupts the user's code, never the engine
+
     engine_main()
 
 
