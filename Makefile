@@ -14,7 +14,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml extension/package.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,hf]" "$(TORCH)"
 	touch $@
 
 # Rebuild the lab extension after changing extension/ (then reload JupyterLab).
@@ -60,7 +60,7 @@ slurm:
 	  echo "Slurm could not be installed: tests/test_slurm.py will be skipped"
 
 test: lint check-extension chromium sshd slurm
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 bench: install
 	$(BIN)/python benchmarks/cluster_start.py

@@ -117,19 +117,22 @@ def trial(kernel: Kernel, rng: random.Random) -> tuple[bool, str]:
         timer.join()
     time.sleep(0.2)  # a late interrupt lands between cells, as a user's would
     texts = [text]
-    usable = True
+    usable, failed = True, ""
     for check in CHECK:
         status_after, after = run(kernel.kc, check)
         if status_after != "ok" and "KeyboardInterrupt" in after:  # the late one landed here
             status_after, after = run(kernel.kc, check)
         texts.append(after)
+        if status_after != "ok" and usable:
+            failed = f"check {check.splitlines()[-1]!r} said:\n{after}"
         usable = usable and status_after == "ok"
     joined = "".join(texts)
     usable = usable and "sum 2.0" in joined and "steps 3" in joined
     bad = [b for b in BAD if b in joined]
     what = f"{name} at {[round(d / length, 2) for d in delays]} of the call: {status}"
     if bad or not usable:  # what the interrupted call said names the cause (a rank's log)
-        what += f"; NOT USABLE {bad}:\n{ANSI.sub('', text)[-3000:]}"
+        cause = failed or f"the call said:\n{text}"
+        what += f"; NOT USABLE {bad}; {ANSI.sub('', cause)[-3000:]}"
         run(kernel.kc, "%axon_cluster --restart", timeout=180)  # the next trial starts fresh
     return usable and not bad, what
 

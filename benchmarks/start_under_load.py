@@ -43,7 +43,7 @@ def start_many(count: int, *, hogs: int, ranks: int = 2, log: bool = True) -> in
                 started += 1
                 outcome = "started"
             except axon_nb.ClusterStartError as e:
-                outcome = f"FAILED: {str(e).splitlines()[0]}"
+                outcome = f"FAILED: {e}"  # with the end of the cluster's log
             if log:
                 print(f"{i + 1:3d} {outcome} ({time.monotonic() - began:.1f} s)", flush=True)
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +20,11 @@ collect_ignore = ["server_ext"]  # run under Jupyter Server's plugin by test_ser
 # The suite runs 4 ranks on 2-core machines: more ranks than cores, on purpose.
 os.environ["AXON_NB_OVERSUBSCRIBE"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
+# `make test` runs two workers (pytest-xdist): each has its own Jupyter runtime dir, so the
+# lab registry, kernels and servers of one never show up in the other's tests.
+os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
+    prefix=f"axon-nb-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"
+)
 
 
 @pytest.fixture(scope="module")

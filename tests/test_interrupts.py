@@ -25,12 +25,13 @@ def _fuzz() -> Any:
 
 
 @pytest.mark.timeout(600)
-def test_thirty_interrupts_at_random_moments_leave_the_ranks_usable() -> None:
+def test_interrupts_at_random_moments_leave_the_ranks_usable() -> None:
+    """benchmarks/interrupt_fuzz.py with a smaller count."""
     fuzz = _fuzz()
     # A fresh cluster: its first runs import torch's lazily imported modules, where an
     # interrupt used to leave a module half-imported for good.
     with axon_nb.Cluster(n=2, timeout=60) as cluster:
-        assert fuzz.fire(cluster, 30, seed=11) == 30
+        assert fuzz.fire(cluster, 12, seed=11) == 12
 
 
 def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
@@ -58,7 +59,8 @@ def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
 
 @pytest.mark.timeout(600)
 def test_ctrl_c_at_random_moments_of_cells_and_training_in_a_kernel() -> None:
-    """benchmarks/cell_interrupt_fuzz.py with a smaller count (the benchmark fires 200)."""
+    """benchmarks/cell_interrupt_fuzz.py with a smaller count (the benchmark fires 200); each
+    trial that leaves a rank unusable prints why."""
     sys.path.insert(0, _BENCHMARKS)
     fuzz = importlib.import_module("cell_interrupt_fuzz")
-    assert fuzz.fire(12, seed=3) == 12
+    assert fuzz.fire(8, seed=3) == 8

@@ -24,7 +24,9 @@ OPTIONAL_THERE = {("advise", "batch_size")}
 
 
 @pytest.mark.parametrize(
-    ("entry", "fn"), [(e, f) for e, fns in FUNCTIONS.items() for f in fns], ids=repr
+    ("entry", "fn"),
+    [(e, f) for e, fns in FUNCTIONS.items() for f in fns],
+    ids=lambda v: getattr(v, "__qualname__", v),  # the same on every xdist worker
 )
 def test_each_option_is_in_each_signature_with_its_default(entry: str, fn: Any) -> None:
     params = inspect.signature(fn).parameters

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from axon_nb.cluster.control import Control
@@ -24,8 +25,13 @@ def save(
     name: str = "model",
     overwrite: bool = False,
     private: bool = True,
-) -> Checkpoint:
+    format: str = "torch",
+) -> Checkpoint | Path:
     """Save training run ``name`` (model, optimizer, step, schedule) as a checkpoint.
+
+    ``format="hf"`` writes the model alone as ``save_pretrained`` does (config and
+    safetensors; a PEFT model's adapter alone) for ``from_pretrained``, from any strategy, and
+    returns the directory (``axon_nb.checkpoint.pretrained``); ``kind`` does not apply.
 
     ``kind="full"``: the state is gathered and rank 0 writes one file (``torch.save``);
     ``kind="sharded"``: every rank writes its shards with ``torch.distributed.checkpoint``,
@@ -39,6 +45,15 @@ def save(
         cluster.train(model=make_gpt, data=ds, strategy=FSDP(), steps=100)
         cluster.save("ckpt/step100", kind="sharded")
     """
+    if format == "hf":
+        from axon_nb.checkpoint.pretrained import save_pretrained
+
+        return save_pretrained(cluster, path, name=name, overwrite=overwrite)
+    if format != "torch":
+        raise ValueError(
+            f"format must be 'torch' (an axon_nb checkpoint: model, optimizer, step) or 'hf' "
+            f"(save_pretrained: the model for from_pretrained), got {format!r}"
+        )
     target = plan_save(path, kind, overwrite, private)
     target.create_partial()
     try:

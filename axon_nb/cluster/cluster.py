@@ -29,6 +29,8 @@ from axon_nb.errors import (
 from axon_nb.rank import entry
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import distributed
 
     from axon_nb.cluster.bandwidth import BandwidthReport
@@ -110,7 +112,8 @@ class Cluster(Transport):
                 str(self._watch.path),
                 stopping.launcher_pids(cluster),
             )
-            self._client = cluster.connect_client_sync()
+            # (ipyparallel's 10 s for the controller's first answer is too short on a busy host)
+            self._client = cluster.connect_client_sync(timeout=opts.start_timeout)
             startup.wait_for_engines(cluster, self._client, opts, self.log)
             self.ranks = startup.join_world(
                 self._client,
@@ -197,7 +200,8 @@ class Cluster(Transport):
     def train(
         self, model: Any = None, data: Any = None, *, strategy: Any = None,
         columns: tuple[Any, Any] | None = None, optimizer: Any = None,
-        loss: Callable[..., Any] | None = None, steps: int, batch_size: int, grad_accum: int = 1,
+        loss: Callable[..., Any] | None = None, loss_normalization: str = "mean", steps: int,
+        batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,
         loader: dict[str, Any] | None = None, compile: bool = False,
         schedule: str = "constant", warmup_steps: int = 0, seed: int = 0, resume: bool = False,
@@ -216,7 +220,8 @@ class Cluster(Transport):
     def compare(
         self, strategies: list[Any], *, steps: int = 10, warmup: int = 2, model: Any = None,
         data: Any = None, columns: tuple[Any, Any] | None = None, optimizer: Any = None,
-        loss: Callable[..., Any] | None = None, batch_size: int, grad_accum: int = 1,
+        loss: Callable[..., Any] | None = None, loss_normalization: str = "mean",
+        batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,
         loader: dict[str, Any] | None = None, compile: bool = False,
         schedule: str = "constant", warmup_steps: int = 0, seed: int = 0,
@@ -277,11 +282,13 @@ class Cluster(Transport):
 
     def save(
         self, path: str | os.PathLike[str], kind: str = "full", *, name: str = "model",
-        overwrite: bool = False, private: bool = True,
-    ) -> Checkpoint:  # fmt: skip
-        """Save a run (:func:`axon_nb.checkpoint.save`). Example::
+        overwrite: bool = False, private: bool = True, format: str = "torch",
+    ) -> Checkpoint | Path:  # fmt: skip
+        """Save a run (:func:`axon_nb.checkpoint.save`); ``format="hf"``: its model for
+        ``from_pretrained``. Example::
 
         cluster.save("ckpt/step100", kind="sharded")
+        cluster.save("out/llama", format="hf")
         """
         return features.save(**_forward(locals()))
 

@@ -178,3 +178,14 @@ def start_dask_worker(scheduler: str) -> None:
     from axon_nb.rank.data import dask_worker
 
     dask_worker.start_worker(scheduler, f"rank-{runtime.context().rank}")
+
+
+def save_pretrained(name: str, partial: str) -> int:
+    """Write run ``name``'s model with its own ``save_pretrained`` into ``partial`` (every
+    rank takes part); the step saved."""
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
+
+    with import_safe_interrupts():
+        from axon_nb.rank.checkpoint import hf_export
+
+        return hf_export.save_pretrained(name, partial)

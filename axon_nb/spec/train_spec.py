@@ -8,7 +8,7 @@ from __future__ import annotations
 import builtins
 import keyword
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,9 @@ OPTIMIZERS = {
     "radam": "RAdam",
 }
 """Optimizer names accepted in ``optimizer=("name", {...})`` -> ``torch.optim`` class names."""
+
+LOSS_NORMALIZATIONS = ("mean", "tokens")
+"""``loss_normalization=`` values: mean of micro-batch losses, or mean over target tokens."""
 
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate shapes after warm-up: constant, linear decay to 0, cosine decay to 0."""
@@ -55,7 +58,14 @@ class TrainSpec:
     optimizer: tuple[str, dict[str, Any]] | Callable[..., Any]
     """``(name, kwargs)`` for a ``torch.optim`` optimizer, or ``params -> Optimizer``."""
     loss: Callable[..., Any] | None = None
-    """``loss(output, target) -> scalar``; None when ``model(input, target)`` returns the loss."""
+    """``loss(output, target) -> scalar`` (for Mapping batches ``loss(output, batch)``); None:
+    the model's own loss, ``model(input, target)`` for pairs, ``model(**batch).loss`` for
+    Mapping batches (``axon_nb.rank.training.model_loss``)."""
+    loss_normalization: str = "mean"
+    """``"mean"``: the step loss is the mean of the micro-batch losses. ``"tokens"``: the mean
+    over every target token of the global batch that is not ``-100`` (padding, prompts), like
+    the Hugging Face Trainer's ``num_items_in_batch``, so padded variable-length batches give
+    the same loss however they are split over ranks and micro-batches."""
     steps: int
     """Optimizer steps to run in this call."""
     batch_size: int
@@ -68,7 +78,9 @@ class TrainSpec:
     """Clip the global gradient norm to this value before each optimizer step."""
     loader: dict[str, Any] | None = None
     """Options of each rank's DataLoader: ``num_workers``, ``pin_memory`` (default: on GPU
-    ranks), ``prefetch_factor``, ``persistent_workers``."""
+    ranks), ``prefetch_factor``, ``persistent_workers``, ``collate_fn`` (e.g. transformers'
+    ``DataCollatorWithPadding(tokenizer)``; default: PyTorch's, lists of numbers made
+    tensors), ``worker_init_fn`` (e.g. to seed augmentations in worker processes)."""
     compile: bool = False
     """``torch.compile`` the model's blocks (each entry of its ``nn.ModuleList``), or the whole
     model when it has none, before it is sharded (``axon_nb.parallel.compile``)."""
@@ -187,6 +199,11 @@ def check_world(spec: TrainSpec, world_size: int, ranks_per_host: int = 1) -> No
 
 
 def _check_pipeline(spec: TrainSpec, dp: int, microbatches: int) -> None:
+    if spec.loss_normalization != "mean":
+        raise ValueError(
+            "loss_normalization='tokens' is not available with a pipeline yet (its last stage "
+            "computes each micro-batch's loss on its own): use loss_normalization='mean'"
+        )
     if spec.loss is None:
         raise ValueError(
             "a pipeline computes the loss on its last stage: pass loss=loss(output, target) "
@@ -231,6 +248,12 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append("data is required: a Dataset of (input, target) or a callable returning one")
     if spec.loss is not None and not callable(spec.loss):
         errors.append(f"loss must be callable loss(output, target), got {spec.loss!r}")
+    errors += _check_first_item(spec)
+    if spec.loss_normalization not in LOSS_NORMALIZATIONS:
+        errors.append(
+            f"loss_normalization must be 'mean' or 'tokens' (mean over the labels that are not "
+            f"-100), got {spec.loss_normalization!r}"
+        )
     for name in ("steps", "batch_size", "grad_accum"):
         value = getattr(spec, name)
         least = 0 if name == "steps" else 1  # steps=0 builds the run without training
@@ -257,7 +280,29 @@ def _check(spec: TrainSpec) -> list[str]:
     return errors + _check_checkpoints(spec)
 
 
-LOADER_OPTIONS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")
+def _check_first_item(spec: TrainSpec) -> list[str]:
+    """What can be told from a dataset object's first item here, before the ranks start: a
+    Mapping item without ``labels`` gives the model no loss to return with ``loss=None``."""
+    data = spec.data
+    if spec.loss is not None or callable(data) or not hasattr(data, "__getitem__"):
+        return []
+    try:
+        item = data[0] if len(data) else None
+    except Exception:  # the ranks will say what is wrong with it
+        return []
+    if isinstance(item, Mapping) and "labels" not in item and "label" not in item:
+        return [
+            f"loss=None takes the model's own loss, which a model only computes when the batch "
+            f"has labels; the items have keys {sorted(map(str, item))} and no 'labels': add "
+            "labels to each item, or pass loss=fn(output, batch)"
+        ]
+    return []
+
+
+LOADER_OPTIONS = (
+    "num_workers", "pin_memory", "prefetch_factor", "persistent_workers", "collate_fn",
+    "worker_init_fn",
+)  # fmt: skip
 """``loader=`` keys (``axon_nb.rank.data.shards`` passes them to each rank's DataLoader)."""
 
 
@@ -285,6 +330,12 @@ def _check_loader(loader: Any) -> list[str]:
     for flag in ("pin_memory", "persistent_workers"):
         if flag in loader and not isinstance(loader[flag], bool):
             errors.append(f"loader {flag} must be True or False, got {loader[flag]!r}")
+    for fn in ("collate_fn", "worker_init_fn"):
+        if loader.get(fn) is not None and not callable(loader[fn]):
+            errors.append(
+                f"loader {fn} must be callable (e.g. transformers' DataCollatorWithPadding"
+                f"(tokenizer) for collate_fn), got {loader[fn]!r}"
+            )
     return errors
 
 

@@ -73,7 +73,8 @@ def _mib(value: float | None, digits: int) -> str:
 def compare(
     cluster: ClusterLike, strategies: list[Any], *, steps: int = 10, warmup: int = 2,
     model: Any = None, data: Any = None, columns: tuple[Any, Any] | None = None,
-    optimizer: Any = None, loss: Callable[..., Any] | None = None, batch_size: int,
+    optimizer: Any = None, loss: Callable[..., Any] | None = None,
+    loss_normalization: str = "mean", batch_size: int,
     grad_accum: int = 1, mixed_precision: str | None = None,
     clip_grad_norm: float | None = None, loader: dict[str, Any] | None = None,
     compile: bool = False, schedule: str = "constant", warmup_steps: int = 0, seed: int = 0,

@@ -53,14 +53,14 @@ def save(name: str, target: SaveTarget) -> int:
                 error = e
     else:
         dcp.save({**tensors, "rng": rng}, checkpoint_id=target.partial)  # fails on all ranks
-    _agree(ctx, error, "write the checkpoint")  # every part is on disk before the marker
+    agree(ctx, error, "write the checkpoint")  # every part is on disk before the marker
     if ctx.rank == 0:
         meta = describe(state, ctx, target.path, target.kind, tensors)
         try:
             _complete(meta, target)
         except Exception as e:
             error = e
-    _agree(ctx, error, "complete the checkpoint")
+    agree(ctx, error, "complete the checkpoint")
     return state.step
 
 
@@ -181,7 +181,7 @@ def _gather_rng(ctx: runtime.RankContext) -> dict[str, torch.Tensor]:
     return {str(r): s for r, s in enumerate(states)}
 
 
-def _agree(ctx: runtime.RankContext, error: Exception | None, what: str) -> None:
+def agree(ctx: runtime.RankContext, error: Exception | None, what: str) -> None:
     """A barrier at which every rank learns whether any failed: then every rank raises (a rank
     its own error, the others one naming the first failed rank), or all go on."""
     mine = None if error is None else f"{type(error).__name__}: {error}"

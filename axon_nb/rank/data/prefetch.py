@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 
+from axon_nb.rank.data.structure import map_tensors, tensors
+
 
 def prefetched(steps: Iterator[Any], device: torch.device) -> Iterator[Any]:
-    """The items of ``steps`` (nested tuples, lists and dicts of tensors) on ``device``."""
+    """The items of ``steps`` (batches of any structure) on ``device``."""
     if device.type != "cuda":
         for item in steps:
             yield to_device(item, device)
@@ -46,29 +48,12 @@ def _claimed(item: Any, side: torch.cuda.Stream) -> Any:
     allocator keeps their memory until the current stream is done with it."""
     current = torch.cuda.current_stream(side.device)
     current.wait_stream(side)
-    for tensor in _tensors(item):
+    for tensor in tensors(item):
         tensor.record_stream(current)
     return item
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """``batch`` with every tensor in it (tuples, lists, dicts) moved to ``device``
-    (``non_blocking``: asynchronous from pinned memory)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple | list):
-        return type(batch)(to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-def _tensors(item: Any) -> Iterator[torch.Tensor]:
-    if isinstance(item, torch.Tensor):
-        yield item
-    elif isinstance(item, tuple | list):
-        for part in item:
-            yield from _tensors(part)
-    elif isinstance(item, dict):
-        for part in item.values():
-            yield from _tensors(part)
+    """``batch`` with every tensor in it moved to ``device``, whatever its structure
+    (``axon_nb.rank.data.structure``; ``non_blocking``: asynchronous from pinned memory)."""
+    return map_tensors(lambda t: t.to(device, non_blocking=True), batch)

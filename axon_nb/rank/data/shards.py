@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 
 from axon_nb.rank.data.dask_shard import PiecesDataset
 from axon_nb.rank.data.prefetch import prefetched
+from axon_nb.rank.data.structure import collate
 from axon_nb.spec.dask_rows import DaskShards, is_dask_data
 
 
@@ -129,7 +130,9 @@ class _Indices(Sampler[int]):
 
 def loader_options(given: dict[str, Any] | None, device: torch.device) -> dict[str, Any]:
     """The DataLoader keywords of a run: ``given`` (checked in the kernel by
-    ``axon_nb.spec.train_spec``), with pinned memory on GPU ranks unless it says otherwise."""
+    ``axon_nb.spec.train_spec``), with pinned memory on GPU ranks and
+    :func:`~axon_nb.rank.data.structure.collate` unless it says otherwise."""
     options = dict(given or {})
     options.setdefault("pin_memory", device.type == "cuda")
+    options.setdefault("collate_fn", collate)  # lists of numbers become tensors too
     return options

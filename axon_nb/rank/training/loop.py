@@ -28,7 +28,7 @@ from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data.iterable import IterableSteps
 from axon_nb.rank.data.shards import StepBatches, resolve_dataset
-from axon_nb.rank.training import trainstate
+from axon_nb.rank.training import model_loss, trainstate
 from axon_nb.rank.training.agreement import StepAgreement
 from axon_nb.rank.training.trainstate import LRShape, TrainState
 from axon_nb.rank.world.interrupts import StopSignal
@@ -72,6 +72,8 @@ def run(
         except _PeerFailed as e:
             return {"rank": ctx.rank, "aborted": e.ranks}, None
         start_step = state.step
+        # from_pretrained returns a model in eval mode: dropout would silently stay off
+        state.model.train()
         publisher = MetricsPublisher(
             sink,
             header={
@@ -273,7 +275,9 @@ class _Loop:
         self.agreement = StepAgreement(ctx.world_size, ctx.device)
         self._records: deque[dict[str, Any]] = deque()
         """Metrics of steps whose agreement is not read yet (see ``agreement.py``)."""
-        self.micro = _MicroStep(spec, ctx, state.scaler)
+        self.micro = _MicroStep(spec, ctx, state.scaler, state.module)
+        self.replicas = state.parallel.dims.dp
+        """Data-parallel replicas: gradients are averaged over them."""
         self.stopped = False
         self.data_ended_at: int | None = None
         """The step at which a stream ran out on some rank (every rank stopped there)."""
@@ -387,7 +391,10 @@ class _Loop:
         loss = loss.float().reshape(1)
         missing = torch.full((1,), float("nan"), device=device)
         local = torch.cat([loss, missing if norm is None else norm.float().reshape(1)])
-        self.agreement.post(torch.cat([loss * self.loss_share, flag_values]), local=local)
+        share = self.loss_share
+        if self.spec.loss_normalization == "tokens":  # ``loss`` is already a share of the mean
+            share *= self.replicas
+        self.agreement.post(torch.cat([loss * share, flag_values]), local=local)
 
     def _settle(self, keep: int) -> tuple[bool, bool, bool]:
         """Read the agreements of all but the ``keep`` newest steps, completing and streaming
@@ -431,15 +438,31 @@ class _Loop:
         parallel = self.state.parallel
         if parallel.pipeline is not None:
             return parallel.pipeline.step(microbatches, self.micro)
+        num_items, weight = None, 1.0 / len(microbatches)
+        if self.spec.loss_normalization == "tokens":
+            # each micro-batch's loss comes as its share of the global token mean; the
+            # gradients' mean over the replicas is undone so that the shares add up
+            num_items, weight = self._global_targets(microbatches), float(self.replicas)
         total = torch.zeros((), device=self.ctx.device)
         for i, batch in enumerate(microbatches):
             last = i == len(microbatches) - 1
             with contextlib.nullcontext() if last else parallel.no_sync():
-                loss = self.micro.loss(parallel.model, batch)
-                self.micro.backward(loss / len(microbatches))
+                loss = self.micro.loss(parallel.model, batch, num_items)
+                self.micro.backward(loss * weight)
             total = total + loss.detach()
         parallel.finish_backward()
-        return total / len(microbatches)
+        return total if num_items is not None else total / len(microbatches)
+
+    def _global_targets(self, microbatches: list[Any]) -> torch.Tensor:
+        """Target tokens (labels not -100) in the step's global batch: this rank's, summed over
+        the ranks, divided by the ranks that read the same data (tensor-parallel peers)."""
+        rule = self.micro.rule
+        local = sum(model_loss.count_targets(b, rule.shifts_labels) for b in microbatches)
+        count = torch.as_tensor(local, device=self.ctx.device).reshape(1).clone()
+        if self.ctx.world_size > 1:
+            dist.all_reduce(count)
+            count = count // (self.ctx.world_size // self.replicas)
+        return count.clamp_min(1).reshape(())
 
     def publish(self, status: str, **fields: Any) -> None:
         if self.checkpoints is not None:
@@ -457,31 +480,22 @@ class _Loop:
 class _MicroStep:
     """Loss and backward of one micro-batch: autocast, the user's loss, the grad scaler."""
 
-    def __init__(self, spec: TrainSpec, ctx: runtime.RankContext, scaler: Any) -> None:
+    def __init__(
+        self, spec: TrainSpec, ctx: runtime.RankContext, scaler: Any, model: nn.Module
+    ) -> None:
         self.loss_fn = spec.loss
+        self.rule = model_loss.LossRule(spec.loss, model)
         self.device_type = ctx.device.type
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
         self.dtype = dtypes.get(spec.mixed_precision or "")
         self.scaler = scaler
 
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        if not (isinstance(batch, tuple | list) and len(batch) == 2):
-            raise TypeError(
-                "each data item must be an (input, target) pair; a batch came as "
-                f"{type(batch).__name__} {_shape(batch)}"
-            )
-        inputs, target = batch
+    def loss(
+        self, model: nn.Module, batch: Any, num_items: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The micro-batch's loss under autocast (``axon_nb.rank.training.model_loss``)."""
         with self.autocast():
-            if self.loss_fn is None:
-                loss = model(inputs, target)
-            else:
-                loss = self.loss_fn(model(inputs), target)
-        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1):
-            raise TypeError(
-                f"the loss must be a scalar tensor, got {type(loss).__name__}"
-                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
-            )
-        return loss.float().reshape(())
+            return self.rule.forward(model, batch, num_items)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.scale(loss).backward()
@@ -496,9 +510,3 @@ class _MicroStep:
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)
-
-
-def _shape(batch: Any) -> str:
-    if isinstance(batch, torch.Tensor):
-        return f"of shape {tuple(batch.shape)}"
-    return f"of length {len(batch)}" if hasattr(batch, "__len__") else ""

@@ -1,0 +1,89 @@
+"""Tiny random-init Hugging Face models and data as their users write them (imported by the
+ranks from tests/; nothing is downloaded)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+VOCAB = 64
+
+
+def tiny_llama(dropout: float = 0.0) -> Any:
+    """A 2-layer ``LlamaForCausalLM`` (sdpa), the same weights for the same seed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        attention_dropout=dropout, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def pretrained_llama() -> Any:
+    """What ``from_pretrained`` gives: a model in eval mode."""
+    return tiny_llama(dropout=0.1).eval()
+
+
+def lora_llama() -> Any:
+    """The tiny Llama with a LoRA adapter on its attention projections (base frozen)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return get_peft_model(tiny_llama(), config)
+
+
+def token_rows(count: int = 96, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Variable-length token rows (4 to 16 tokens) as a tokenizer gives them: lists of ints,
+    labels the input ids with a "prompt" of -100 at the start."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        n = int(torch.randint(4, 17, (1,), generator=g))
+        ids = torch.randint(1, VOCAB, (n,), generator=g).tolist()
+        prompt = int(torch.randint(0, 3, (1,), generator=g))
+        rows.append(
+            {"input_ids": ids, "attention_mask": [1] * n, "labels": [-100] * prompt + ids[prompt:]}
+        )
+    return rows
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """:func:`token_rows` as a map-style dataset of dicts."""
+
+    def __init__(self, count: int = 96) -> None:
+        self.rows = token_rows(count)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return self.rows[i]
+
+
+def pad(items: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
+    """A padding collator (what ``DataCollatorWithPadding`` does, plus -100 labels)."""
+    width = max(len(item["input_ids"]) for item in items)
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
+    return {
+        key: torch.tensor([item[key] + [value] * (width - len(item[key])) for item in items])
+        for key, value in fill.items()
+    }
+
+
+def hf_rows(streaming: bool = False, torch_format: bool = False) -> Any:
+    """:func:`token_rows` of equal length 12 as a ``datasets.Dataset`` (or its stream)."""
+    import datasets
+
+    rows = [
+        {"input_ids": r, "attention_mask": [1] * 12, "labels": r}
+        for r in (
+            torch.randint(1, VOCAB, (128, 12), generator=torch.Generator().manual_seed(1))
+        ).tolist()
+    ]
+    ds = datasets.Dataset.from_list(rows)
+    if torch_format:
+        ds.set_format("torch")
+    return ds.to_iterable_dataset() if streaming else ds
