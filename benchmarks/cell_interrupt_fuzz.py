@@ -131,9 +131,10 @@ def trial(kernel: Kernel, rng: random.Random) -> tuple[bool, str]:
     bad = [b for b in BAD if b in joined]
     what = f"{name} at {[round(d / length, 2) for d in delays]} of the call: {status}"
     if bad or not usable:  # what the interrupted call said names the cause (a rank's log)
-        cause = failed or f"the call said:\n{text}"
-        what += f"; NOT USABLE {bad}; {ANSI.sub('', cause)[-3000:]}"
-        run(kernel.kc, "%axon_cluster --restart", timeout=180)  # the next trial starts fresh
+        said = f"the call said:\n{ANSI.sub('', text)[-2500:]}"
+        what += f"; NOT USABLE {bad}; {said}\n{ANSI.sub('', failed)[-1500:]}"
+        # the next trial starts fresh
+        run(kernel.kc, "%axon_cluster --restart\ncluster = axon_nb.current_cluster()", timeout=180)
     return usable and not bad, what
 
 

@@ -217,3 +217,72 @@ def test_save_pretrained_refuses_a_model_without_it(
     with pytest.raises(ValueError, match="format must be 'torch'"):
         cluster.save(tmp_path / "out", format="safetensors")
     assert cluster.run(lambda: 1) == [1, 1]
+
+
+def _cosine_with_warmup(optimizer: torch.optim.Optimizer) -> Any:
+    from transformers import get_cosine_schedule_with_warmup
+
+    return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=3, num_training_steps=STEPS)
+
+
+def test_a_transformers_scheduler_runs_as_in_one_process(cluster: axon_nb.Cluster) -> None:
+    run = dict(
+        model=tiny_llama, data=hf_rows(), steps=STEPS, batch_size=8,
+        optimizer=("adamw", {"lr": 1e-2}), scheduler=_cosine_with_warmup,
+    )  # fmt: skip
+    result = cluster.train(**run)
+    reference = axon_nb.train_local(**run)
+    assert_same_losses(result.losses, reference.losses)
+    lrs = [h["lr"] for h in result.history]
+    assert lrs[:4] == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3, 1e-2])  # warm-up, then cosine
+    assert lrs[-1] < lrs[4] and lrs == pytest.approx([h["lr"] for h in reference.history])
+    with pytest.raises(axon_nb.RankError, match="resume without optimizer lr"):
+        cluster.train(resume=True, steps=1, batch_size=8, optimizer=("adamw", {"lr": 1.0}))
+    more = cluster.train(resume=True, steps=2, batch_size=8)  # the schedule goes on
+    assert [h["step"] for h in more.history] == [STEPS + 1, STEPS + 2]
+
+
+def test_bad_schedulers_are_refused(cluster: axon_nb.Cluster) -> None:
+    with pytest.raises(ValueError, match="scheduler= replaces schedule= and warmup_steps="):
+        cluster.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
+                      scheduler=_cosine_with_warmup, warmup_steps=2)  # fmt: skip
+    with pytest.raises(axon_nb.RankError, match=r"must return a torch\.optim\.lr_scheduler"):
+        cluster.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
+                      scheduler=lambda optimizer: 0.5)  # fmt: skip
+    assert cluster.run(lambda: 1) == [1, 1]
+
+
+def test_tensor_parallel_takes_the_models_own_plan(cluster: axon_nb.Cluster) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from axon_nb import TensorParallel
+
+    run = dict(model=tiny_llama, data=hf_rows(), steps=STEPS, batch_size=8,
+               optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
+    reference = axon_nb.train_local(**run)
+    # the model's plan: embedding rows, attention and MLP, the head with its output gathered
+    result = cluster.train(**run, strategy=TensorParallel(plan="auto"))
+    assert_same_losses(result.losses, reference.losses)
+    # torch ParallelStyle objects beside style names
+    plan = {"model.layers.*.mlp.up_proj": ColwiseParallel(),
+            "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+            "model.layers.*.mlp.down_proj": RowwiseParallel(),
+            "model.layers.*.self_attn.[qkv]_proj": "colwise",
+            "model.layers.*.self_attn.o_proj": "rowwise"}  # fmt: skip
+    result = cluster.train(**run, strategy=TensorParallel(plan=plan))
+    assert_same_losses(result.losses, reference.losses)
+
+
+def test_a_plan_naming_nothing_names_the_nearest_modules(cluster: axon_nb.Cluster) -> None:
+    from axon_nb import TensorParallel
+
+    plan = {"model.layers.*.self_attn.q_projection": "colwise"}
+    with pytest.raises(
+        axon_nb.RankError,
+        match=r"matches no module.*nearest names: model\.layers\.[01]\.self_attn\.q_proj",
+    ):
+        cluster.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
+                      strategy=TensorParallel(plan=plan))  # fmt: skip
+    with pytest.raises(ValueError, match="or is 'auto'"):
+        TensorParallel(plan={"lm_head": "diagonal"})
+    assert cluster.run(lambda: 1) == [1, 1]

@@ -204,7 +204,8 @@ class Cluster(Transport):
         batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,
         loader: dict[str, Any] | None = None, compile: bool = False,
-        schedule: str = "constant", warmup_steps: int = 0, seed: int = 0, resume: bool = False,
+        schedule: str = "constant", warmup_steps: int = 0,
+        scheduler: Callable[..., Any] | None = None, seed: int = 0, resume: bool = False,
         name: str = "model", metrics_interval_s: float = 0.5,
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None, checkpoint_every_s: float | None = None,
@@ -224,7 +225,8 @@ class Cluster(Transport):
         batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,
         loader: dict[str, Any] | None = None, compile: bool = False,
-        schedule: str = "constant", warmup_steps: int = 0, seed: int = 0,
+        schedule: str = "constant", warmup_steps: int = 0,
+        scheduler: Callable[..., Any] | None = None, seed: int = 0,
         metrics_interval_s: float = 0.5,
     ) -> Comparison:  # fmt: skip
         """Each strategy trained a few steps on these ranks, side by side with its prediction:

@@ -18,6 +18,7 @@ sequence shards. That needs the transformer blocks in ``model.blocks``.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 from typing import Any
 
@@ -68,38 +69,120 @@ def default_plan(model: nn.Module) -> dict[str, str]:
     )
 
 
-def resolve_plan(model: nn.Module, plan: dict[str, str], tp: int) -> dict[str, str]:
-    """Exact module names for ``plan``'s patterns, checked: every pattern matches an
-    ``nn.Linear``, styles are known, and the split features divide by ``tp``."""
+def model_plan(model: nn.Module) -> dict[str, Any]:
+    """The plan a model carries (``plan="auto"``): a transformers model's ``_tp_plan``, else
+    its config's ``base_model_tp_plan`` under its ``base_model_prefix``."""
+    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    plan = getattr(inner, "_tp_plan", None)
+    if not plan:
+        base = getattr(getattr(inner, "config", None), "base_model_tp_plan", None) or {}
+        prefix = getattr(inner, "base_model_prefix", "")
+        plan = {f"{prefix}.{k}" if prefix and hasattr(inner, prefix) else k: v
+                for k, v in base.items()}  # fmt: skip
+    if not plan:
+        raise ValueError(
+            f"plan='auto' takes the model's own tensor-parallel plan, but {type(inner).__name__} "
+            "has none (no _tp_plan or config.base_model_tp_plan): pass TensorParallel(plan="
+            "{module name pattern: 'colwise' | 'rowwise'})"
+        )
+    if inner is not model:  # a PEFT wrapper: its module names lead to the inner model
+        outer = next(n for n, m in model.named_modules() if m is inner)
+        plan = {f"{outer}.{k}": v for k, v in plan.items()}
+    return dict(plan)
+
+
+def resolve_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> dict[str, Any]:
+    """Exact module names for ``plan``'s patterns, checked: every pattern matches a module the
+    style fits, style names are known, and the split dimensions divide by ``tp``."""
     modules = dict(model.named_modules())
-    resolved: dict[str, str] = {}
+    resolved: dict[str, Any] = {}
     problems = []
     for pattern, style in plan.items():
-        if style not in STYLES:
-            problems.append(f"{pattern!r}: style must be 'colwise' or 'rowwise', got {style!r}")
+        if isinstance(style, str) and style not in STYLES:
+            problems.append(f"{pattern!r}: style must be one of {', '.join(STYLES)} or a torch "
+                            f"ParallelStyle, got {style!r}")  # fmt: skip
             continue
         names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
         if not names:
-            problems.append(f"{pattern!r} matches no module of the model")
+            near = difflib.get_close_matches(pattern, [n for n in modules if n], n=3, cutoff=0.5)
+            hint = f"; nearest names: {', '.join(near)}" if near else ""
+            problems.append(f"{pattern!r} matches no module of the model{hint}")
         for name in names:
-            module = modules[name]
-            if not isinstance(module, nn.Linear):
-                problems.append(f"{name} is a {type(module).__name__}, not an nn.Linear")
-                continue
-            features = module.out_features if style == "colwise" else module.in_features
-            if features % tp:
-                kind = "output" if style == "colwise" else "input"
-                problems.append(f"{name} has {features} {kind} features, not divisible by tp={tp}")
+            problem = _misfit(name, modules[name], style, tp)
+            if problem:
+                problems.append(problem)
             resolved[name] = style
-    if _is_gpt(model):
-        config = model.config  # type: ignore[attr-defined]
-        if config.n_head % tp:
-            problems.append(f"n_head={config.n_head} is not divisible by tp={tp}")
+    problems += _head_problems(model, tp)
     if problems:
         raise ValueError(
             "the tensor-parallel plan does not fit the model:\n  - " + "\n  - ".join(problems)
         )
     return resolved
+
+
+def _misfit(name: str, module: nn.Module, style: Any, tp: int) -> str | None:
+    """Why ``style`` cannot split ``module`` over ``tp`` ranks, or None."""
+    if not isinstance(style, str):
+        return None  # the user's ParallelStyle object: torch checks it when applied
+    if style.startswith("embedding_"):
+        if not isinstance(module, nn.Embedding):
+            return f"{name} is a {type(module).__name__}, not an nn.Embedding ({style})"
+        size = module.num_embeddings if style == "embedding_rowwise" else module.embedding_dim
+        what = "rows (vocabulary)" if style == "embedding_rowwise" else "columns"
+        return f"{name} has {size} {what}, not divisible by tp={tp}" if size % tp else None
+    if not isinstance(module, nn.Linear):
+        return f"{name} is a {type(module).__name__}, not an nn.Linear"
+    columns = style.startswith("colwise")
+    features = module.out_features if columns else module.in_features
+    if features % tp:
+        kind = "output" if columns else "input"
+        return f"{name} has {features} {kind} features, not divisible by tp={tp}"
+    return None
+
+
+def _head_problems(model: nn.Module, tp: int) -> list[str]:
+    """Attention heads must split evenly: the reference GPT's, a transformers config's."""
+    if _is_gpt(model):
+        config = model.config  # type: ignore[attr-defined]
+        return [f"n_head={config.n_head} is not divisible by tp={tp}"] if config.n_head % tp else []
+    config = getattr(model, "config", None)
+    problems = []
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, key, None)
+        if isinstance(heads, int) and heads % tp:
+            problems.append(f"{key}={heads} is not divisible by tp={tp}")
+    return problems
+
+
+def parallel_style(style: Any, *, sequence_parallel: bool = False) -> Any:
+    """The torch ``ParallelStyle`` for a plan entry (an object is used as it is).
+
+    - ``colwise``: output features split, output stays split;
+    - ``rowwise``: input features split, partial outputs summed (with ``sequence_parallel``:
+      reduce-scattered to sequence shards);
+    - ``colwise_rep`` / ``colwise_gather_output``: column split, output gathered whole;
+    - ``rowwise_rep``: a whole input is split here, partial outputs summed;
+    - ``embedding_rowwise``: the vocabulary split, lookups summed; ``embedding_colwise``: the
+      embedding dimension split, gathered whole.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if not isinstance(style, str):
+        return style
+    if style == "colwise":
+        return ColwiseParallel()
+    if style == "rowwise":
+        if sequence_parallel:
+            return RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+        return RowwiseParallel()
+    if style in ("colwise_rep", "colwise_gather_output"):
+        return ColwiseParallel(output_layouts=Replicate())
+    if style in ("rowwise_rep", "embedding_rowwise"):
+        return RowwiseParallel(input_layouts=Replicate())
+    if style == "embedding_colwise":
+        return ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    raise ValueError(f"unknown tensor-parallel style {style!r}")
 
 
 def apply_tp(
@@ -108,7 +191,8 @@ def apply_tp(
     """Split ``model``'s layers over the 1-D ``mesh`` (its tensor-parallel ranks) by
     ``config``'s plan (or the default plan); only modules named in ``owned``, when given (a
     pipeline rank's stages)."""
-    plan = resolve_plan(model, config.plan or default_plan(model), mesh.size())
+    given = config.plan or default_plan(model)
+    plan = resolve_plan(model, model_plan(model) if given == "auto" else given, mesh.size())
     if owned is not None:
         plan = {name: style for name, style in plan.items() if name in owned}
     return apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel)
@@ -120,18 +204,14 @@ def apply_tensor_parallel(
     """Parallelize ``model``'s planned layers (exact names) over ``mesh``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
         PrepareModuleInput,
         PrepareModuleOutput,
-        RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
     if not sequence_parallel:
-        styles = {
-            n: ColwiseParallel() if s == "colwise" else RowwiseParallel() for n, s in plan.items()
-        }
+        styles = {n: parallel_style(s) for n, s in plan.items()}
         return parallelize_module(model, mesh, styles)
     blocks = getattr(model, "blocks", None)
     if not isinstance(blocks, nn.ModuleList) or not len(blocks):
@@ -142,11 +222,7 @@ def apply_tensor_parallel(
     sequence = Shard(1)
     styles: dict[str, Any] = {}
     for name, style in plan.items():
-        styles[name] = (
-            ColwiseParallel()
-            if style == "colwise"
-            else RowwiseParallel(output_layouts=sequence, use_local_output=False)
-        )
+        styles[name] = parallel_style(style, sequence_parallel=True)
     for i, block in enumerate(blocks):
         prefix = f"blocks.{i}"
         for child_name, child in block.named_children():

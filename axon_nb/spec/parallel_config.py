@@ -17,7 +17,12 @@ DATA_PARALLEL = ("none", "ddp", "fsdp", "zero1", "zero2")
 or whole with sharded optimizer state (ZeRO-1) and gradients too (ZeRO-2)."""
 COMM_HOOKS = (None, "fp16", "bf16", "powersgd")
 DTYPES = (None, "bf16", "fp16", "fp32")
-TP_STYLES = ("colwise", "rowwise")
+TP_STYLES = (
+    "colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output",
+    "embedding_rowwise", "embedding_colwise",
+)  # fmt: skip
+"""Tensor-parallel style names in plans (``axon_nb.parallel.tensor`` says what each does); the
+names transformers' ``base_model_tp_plan`` uses."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
@@ -88,20 +93,32 @@ class FSDPConfig:
 class TensorConfig:
     """Tensor parallelism over the ``tp`` axis."""
 
-    plan: dict[str, str] | None = None
-    """Module-name pattern -> ``"colwise"`` | ``"rowwise"``; None: the default plan."""
+    plan: dict[str, Any] | str | None = None
+    """Module-name pattern -> a style of :data:`TP_STYLES` or a torch ``ParallelStyle``
+    object; ``"auto"``: the model's own plan (a transformers model's ``base_model_tp_plan``);
+    None: the default plan."""
     sequence_parallel: bool = False
     """Shard norms (and the residual stream) along the sequence between parallel layers."""
 
     def problems(self) -> list[str]:
-        if self.plan is None:
+        if self.plan is None or self.plan == "auto":
             return []
+        usage = (
+            f"plan maps module-name patterns to one of {', '.join(TP_STYLES)} or a torch "
+            "ParallelStyle (e.g. ColwiseParallel()), or is 'auto' (the model's own plan)"
+        )
         if not isinstance(self.plan, dict):
-            return [f"plan maps module-name patterns to 'colwise' or 'rowwise'; got {self.plan!r}"]
-        bad = {k: v for k, v in self.plan.items() if v not in TP_STYLES}
-        if bad:
-            return [f"plan maps module-name patterns to 'colwise' or 'rowwise'; got {bad!r}"]
-        return []
+            return [f"{usage}; got {self.plan!r}"]
+        bad = {k: v for k, v in self.plan.items() if not is_tp_style(v)}
+        return [f"{usage}; got {bad!r}"] if bad else []
+
+
+def is_tp_style(value: Any) -> bool:
+    """A style name of :data:`TP_STYLES`, or an object that looks like a torch
+    ``ParallelStyle`` (it has ``_apply``; checked for real on the ranks)."""
+    if isinstance(value, str):
+        return value in TP_STYLES
+    return callable(getattr(value, "_apply", None))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -88,6 +88,10 @@ class TrainSpec:
     """Learning-rate shape after warm-up: ``constant``, ``linear`` or ``cosine`` (to 0)."""
     warmup_steps: int = 0
     """Steps of linear learning-rate warm-up from 0."""
+    scheduler: Callable[..., Any] | None = None
+    """``optimizer -> LRScheduler``, stepped after every optimizer step, in place of
+    ``schedule`` and ``warmup_steps``; e.g. ``lambda opt: get_cosine_schedule_with_warmup(opt,
+    10, 500)`` (transformers) or ``lambda opt: OneCycleLR(opt, 0.01, total_steps=500)``."""
     seed: int = 0
     """Seed for model initialisation (same on every rank) and data order."""
     resume: bool = False
@@ -163,7 +167,10 @@ REQUIRED = object()
 def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
     """Build a :class:`TrainSpec` from ``train()`` keywords, raising ``ValueError`` on bad input."""
     kwargs["strategy"] = resolve_strategy(kwargs.get("strategy"), default_strategy)
-    kwargs["optimizer"] = _optimizer(kwargs.get("optimizer"))
+    if kwargs.get("resume") and kwargs.get("optimizer") is None:
+        kwargs["optimizer"] = ("adamw", {})  # a resumed run keeps its optimizer's settings
+    else:
+        kwargs["optimizer"] = _optimizer(kwargs.get("optimizer"))
     if kwargs.get("checkpoint_dir") is not None:
         kwargs["checkpoint_dir"] = os.path.abspath(os.fspath(kwargs["checkpoint_dir"]))
     spec = TrainSpec(**kwargs)
@@ -272,6 +279,16 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {spec.schedule!r}")
     if not isinstance(spec.warmup_steps, int) or spec.warmup_steps < 0:
         errors.append(f"warmup_steps must be an integer >= 0, got {spec.warmup_steps!r}")
+    if spec.scheduler is not None:
+        if not callable(spec.scheduler):
+            errors.append(
+                f"scheduler must be a callable optimizer -> LRScheduler, got {spec.scheduler!r}"
+            )
+        elif spec.schedule != "constant" or spec.warmup_steps:
+            errors.append(
+                "scheduler= replaces schedule= and warmup_steps=: give the warm-up and shape "
+                "in the scheduler, or leave scheduler=None"
+            )
     name_error = _check_name(spec.name)
     if name_error:
         errors.append(name_error)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from axon_nb.spec.parallel_config import (
     DDPConfig,
@@ -61,7 +61,7 @@ class Hybrid(Strategy):
     """With FSDP: dtype of gradient reduction."""
     cpu_offload: bool = False
     """With FSDP: keep shards on the CPU between uses (GPU ranks)."""
-    plan: dict[str, str] | None = None
+    plan: dict[str, Any] | str | None = None
     """Tensor-parallel plan (see :class:`TensorParallel`)."""
     sequence_parallel: bool = False
     """Sequence parallelism in the tensor-parallel layers (not with ``pp > 1`` yet)."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from axon_nb.spec.parallel_config import ParallelConfig, TensorConfig
 from axon_nb.spec.parallel_dims import ParallelDims
@@ -14,7 +14,9 @@ from axon_nb.strategies.base import Strategy
 class TensorParallel(Strategy):
     """Split the model's linear layers over the ranks (``torch.distributed.tensor.parallel``).
 
-    - ``plan``: module-name patterns to ``"colwise"`` / ``"rowwise"`` (see
+    - ``plan``: module-name patterns to ``"colwise"`` / ``"rowwise"`` (or transformers'
+      style names, or torch ``ParallelStyle`` objects; ``"auto"``: the model's own
+      ``base_model_tp_plan``) (see
       ``axon_nb.parallel.tensor``); by default the model's ``ColumnParallelLinear`` /
       ``RowParallelLinear`` layers, or the reference GPT's plan (attention q/k/v column, out
       row; MLP up column, down row).
@@ -28,12 +30,16 @@ class TensorParallel(Strategy):
         cluster.train(model=GPT, data=ds, strategy=TensorParallel(sequence_parallel=True),
                       steps=100, batch_size=32)
         TensorParallel(plan={"layers.*.fc1": "colwise", "layers.*.fc2": "rowwise"})
+        TensorParallel(plan="auto")  # a transformers model's own plan
     """
 
     name: ClassVar[str] = "tensor"
 
-    plan: dict[str, str] | None = None
-    """Module-name pattern -> ``"colwise"`` | ``"rowwise"``; None: the default plan."""
+    plan: dict[str, Any] | str | None = None
+    """Module-name pattern -> a style (``"colwise"``, ``"rowwise"``, ``"colwise_rep"``,
+    ``"rowwise_rep"``, ``"colwise_gather_output"``, ``"embedding_rowwise"``,
+    ``"embedding_colwise"``) or a torch ``ParallelStyle``; ``"auto"``: the model's own plan;
+    None: the default plan."""
     sequence_parallel: bool = False
     """Shard norms (and the residual stream) along the sequence between parallel layers."""
 

@@ -77,7 +77,8 @@ def compare(
     loss_normalization: str = "mean", batch_size: int,
     grad_accum: int = 1, mixed_precision: str | None = None,
     clip_grad_norm: float | None = None, loader: dict[str, Any] | None = None,
-    compile: bool = False, schedule: str = "constant", warmup_steps: int = 0, seed: int = 0,
+    compile: bool = False, schedule: str = "constant", warmup_steps: int = 0,
+    scheduler: Callable[..., Any] | None = None, seed: int = 0,
     metrics_interval_s: float = 0.5,
 ) -> Comparison:  # fmt: skip
     """Train each of ``strategies`` for ``steps`` steps with the other training options (those

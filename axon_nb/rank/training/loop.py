@@ -145,13 +145,23 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Bat
     )
     optimizer = parallel.build_optimizer(optimizer_factory(spec, ctx.device))
     lr_shape = LRShape(warmup_steps=spec.warmup_steps, horizon=spec.steps, shape=spec.schedule)
+    if spec.scheduler is not None:
+        scheduler = spec.scheduler(optimizer)
+        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
+            raise TypeError(
+                f"scheduler= must return a torch.optim.lr_scheduler.LRScheduler for the "
+                f"optimizer it is given, got {type(scheduler).__name__}"
+            )
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_shape)
     state = TrainState(
         name=spec.name,
         strategy=spec.strategy,
         parallel=parallel,
         optimizer=optimizer,
-        scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_shape),
+        scheduler=scheduler,
         lr_shape=lr_shape,
+        own_scheduler=spec.scheduler is not None,
         scaler=_grad_scaler(ctx) if spec.mixed_precision == "fp16" else None,
         dataset=dataset,
     )
@@ -176,10 +186,17 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batc
             f"resume=True keeps the optimizer and can only change its existing settings "
             f"({', '.join(sorted(state.optimizer.param_groups[0]))}); unknown: {unknown}"
         )
+    if state.own_scheduler and "lr" in changes:
+        raise ValueError(
+            f"{spec.name!r} runs with its own scheduler=, which sets the learning rate; resume "
+            "without optimizer lr (other settings may change), or train afresh"
+        )
     # Only now, with every input checked, does the stored state change.
     state.dataset = dataset
     for group in state.optimizer.param_groups:
         group.update(changes)
+    if state.own_scheduler:  # its own schedule goes on where it was
+        return state, batches
     if "lr" in changes:
         state.scheduler.base_lrs = [changes["lr"]] * len(state.optimizer.param_groups)
     # Steps count from the run's start, so resuming with the same arguments after a stop

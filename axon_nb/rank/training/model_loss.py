@@ -5,8 +5,9 @@
 - Mappings (``{"input_ids", "attention_mask", "labels"}``, a ``BatchEncoding``): the model
   is called as ``model(**batch)``; with ``loss=None`` its own loss is taken from the output
   (``out.loss``, ``out["loss"]`` or ``out[0]``), else ``loss(output, batch)``.
-- Anything else (a tensor, a dataclass): ``model(batch)``, then the output's own loss or
-  ``loss(output, batch)``.
+- Other tuples and lists are refused (a 1-tuple usually means a dataset without targets).
+- Anything else (a tensor, a named tuple, a dataclass): ``model(batch)``, then the output's
+  own loss or ``loss(output, batch)``.
 
 With ``loss_normalization="tokens"`` a step's loss is the mean over every target token of the
 global batch whose label is not ``-100`` (:func:`count_targets`). A Hugging Face model that
@@ -56,7 +57,13 @@ class LossRule:
             if num_items is not None and not self.passes_count:
                 loss = loss * count_targets(batch, self.shifts_labels) / num_items
             return _scalar(loss)
-        if isinstance(batch, tuple | list) and len(batch) == 2 and not hasattr(batch, "_fields"):
+        if isinstance(batch, tuple | list) and not hasattr(batch, "_fields"):
+            if len(batch) != 2:
+                raise TypeError(
+                    "each data item must be an (input, target) pair, a Mapping (trained as "
+                    "model(**batch)) or one object (model(batch)); a batch came as "
+                    f"{type(batch).__name__} of length {len(batch)}"
+                )
             inputs, target = batch
             if self.loss_fn is None:
                 loss = model(inputs, target)

@@ -24,8 +24,11 @@ class TrainState:
     parallel: ParallelModel
     """The model as the strategy laid it out on this rank (see ``axon_nb.parallel``)."""
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     lr_shape: LRShape
+    """The built-in schedule (``schedule=``, ``warmup_steps=``); unused with ``scheduler=``."""
+    own_scheduler: bool = False
+    """The user's ``scheduler=`` built ``scheduler``."""
     scaler: Any
     """``torch.amp.GradScaler`` for fp16, else None."""
     dataset: Any

@@ -6,7 +6,8 @@ sends the reply after it ended. A ``KeyboardInterrupt`` there is caught by nothi
 event loop and ends the engine: on a busy machine, a Ctrl-C that came as a cell ended cost a
 rank. :func:`install` replaces that handler with one that raises only when the interrupted
 frame runs below the code that executes the user's cell (IPython's ``run_code``) or function
-(ipyparallel's ``do_apply``), and holds it back while an import is in progress (a module
+(ipyparallel's ``do_apply``), not in their handling of how it ended (formatting its
+traceback), and holds it back while an import is in progress (a module
 interrupted mid-import stays broken, ``interrupts.py``). Elsewhere the engine is between the
 user's code and the reply, and the interrupt is dropped: the cell has ended.
 """
@@ -26,15 +27,25 @@ ipyparallel's function-call handler."""
 
 
 def in_user_code(frame: FrameType | None) -> bool:
-    """True when ``frame`` runs below a runner (the user's code, or what it calls)."""
-    depth = 0
+    """True when ``frame`` runs in the user's code (or what it calls): below a runner, and
+    not in the runner's own handling of how the code ended (IPython's ``showtraceback`` is
+    called from ``run_code`` too; an interrupt there would end the engine)."""
+    child = None
     while frame is not None:
         code = frame.f_code
         if (code.co_name, os.path.basename(code.co_filename)) in RUNNERS:
-            return depth > 0
-        frame = frame.f_back
-        depth += 1
+            return child is not None and not _machinery(child.f_code.co_filename)
+        child, frame = frame, frame.f_back
     return False
+
+
+MACHINERY = ("IPython", "ipykernel", "ipyparallel")
+"""Packages whose frames directly below a runner are its bookkeeping, not the user's code."""
+
+
+def _machinery(filename: str) -> bool:
+    parts = filename.replace(os.sep, "/").split("/")
+    return any(package in parts for package in MACHINERY)
 
 
 def interrupt_user_code(signum: int, frame: FrameType | None) -> None:
