@@ -15,6 +15,7 @@ from typing import Any, Protocol, TextIO
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
+from axon_nb.cluster.control import held_interrupts
 from axon_nb.cluster.hangs import HangWatch
 from axon_nb.errors import AxonError, RankDiedError, RankError
 
@@ -265,8 +266,8 @@ def _forward_interrupt(
     if not running:
         return
     print(f"Interrupting ranks {_fmt(running)} ...", file=sys.stderr)
-    control.interrupt(running)
     try:
+        control.interrupt(running)
         if not _unstick(parts, control, streams):
             print(
                 f"ranks {_fmt(_running(parts))} are still busy {INTERRUPT_GRACE_S:.0f} s after "
@@ -274,7 +275,11 @@ def _forward_interrupt(
                 file=sys.stderr,
             )
     except KeyboardInterrupt:
-        pass  # a second Ctrl-C: stop waiting, the first one is being re-raised
+        # A second Ctrl-C: stop waiting (the first one is being re-raised), but leave no rank
+        # inside a collective its peers left: the next collective would pair with it and
+        # abort the process. Released now, the world is re-formed before the next call.
+        with held_interrupts():  # (a third Ctrl-C waits for the release)
+            control.release(_running(parts))
 
 
 def _wait_until_ready(
