@@ -48,3 +48,21 @@ def shell() -> Iterator[InteractiveShell]:
     ip.extension_manager.load_extension("axon_nb")
     yield ip
     ip.extension_manager.unload_extension("axon_nb")
+
+
+SLOW_FIRST = (
+    "test_train_model_parallel.py", "test_recovery.py", "test_lab_sidebar.py",
+    "test_hf_models.py", "test_train_fsdp.py", "test_stop.py", "test_hang.py",
+    "test_checkpoint.py", "test_lifecycle.py", "test_notebook.py", "test_parallel_options.py",
+    "test_hosts.py",
+)  # fmt: skip
+"""The longest files, started first: `make test` hands whole files to two workers in this
+order (pytest-xdist's loadfile), so none of them is left running alone at the end."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: tests keep their order within a file

@@ -91,15 +91,15 @@ def test_engines_and_controller_never_outlive_their_starter(tmp_path: Path, endi
         proc.kill()
 
 
-@pytest.mark.timeout(300)
-def test_starts_in_a_row_under_a_cpu_hog_all_start() -> None:
+@pytest.mark.timeout(600)
+def test_twenty_starts_in_a_row_under_a_cpu_hog_all_start() -> None:
     """benchmarks/start_under_load.py (which starts 50): the "0 of N engines connected"
     flake under load. A failure prints its error and the end of the cluster's log."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     from start_under_load import start_many
 
     before = _descendants()
-    assert start_many(3, hogs=2) == 3
+    assert start_many(20, hogs=1) == 20
     assert wait_gone(list(_descendants() - before)) == []
 
 

@@ -14,7 +14,7 @@ import torch
 from equivalence import full_params
 
 import axon_nb
-from axon_nb import DDP, FSDP, Hybrid
+from axon_nb import DDP, FSDP, Hybrid, Pipeline, ZeRO
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 from axon_nb.spec.checkpoint_series import checkpoints
 
@@ -58,8 +58,10 @@ def test_periodic_checkpoints_are_kept_and_resume_exactly(
 
 LAYOUTS = [
     (DDP(), 2),
-    (FSDP(), 2),  # a sharded checkpoint, resharded on load
-    (Hybrid(dp=2, pp=2), 4),  # pipeline stages with replicas (ZeRO: test_checkpoint.py)
+    (FSDP(), 2),
+    (ZeRO(stage=2), 2),
+    (Pipeline(), 2),
+    (Hybrid(dp=2, pp=2), 4),
 ]
 
 
