@@ -115,3 +115,16 @@ def test_an_engine_that_gives_up_registering_fails_the_start_at_once(monkeypatch
         axon_nb.Cluster(n=2, start_timeout=60).start()
     assert time.monotonic() - started < 30
     assert wait_gone(list(_descendants() - before)) == []
+
+
+def test_a_rank_that_exits_while_starting_fails_the_start_naming_the_log(monkeypatch) -> None:
+    from axon_nb.cluster import launchers
+
+    monkeypatch.setattr(launchers, "ENGINE_ARGS", ["--no-such-engine-option"])
+    before = _descendants()
+    started = time.monotonic()
+    with pytest.raises(axon_nb.ClusterStartError, match="a rank exited while starting") as info:
+        axon_nb.Cluster(n=2, start_timeout=60).start()
+    assert time.monotonic() - started < 30
+    assert "The cluster's log (" in str(info.value)  # where the engine's own words are
+    assert wait_gone(list(_descendants() - before)) == []

@@ -124,6 +124,8 @@ class Cluster(Transport):
             )
         except BaseException as e:
             self.stop()
+            if isinstance(e, ClusterStartError) and "cluster's log" not in str(e):
+                raise ClusterStartError(f"{e}\n{startup.log_tail(self.log)}") from e
             if isinstance(e, AxonError | KeyboardInterrupt):
                 raise
             raise ClusterStartError(f"{e}\n{startup.log_tail(self.log)}") from e

@@ -21,9 +21,6 @@ from axon_nb.rank import entry
 from axon_nb.spec.bootstrap_spec import BootstrapSpec
 from axon_nb.spec.placement import PlacementError, plan_world
 
-RANK_GONE_S = 2.0
-"""While starting, a rank process missing this long under its MPI proxy has exited."""
-
 GAVE_UP = "Registration timed out"
 """What an ipyparallel engine logs when the controller did not answer its registration."""
 
@@ -40,15 +37,16 @@ def wait_for_engines(
     and the controller answered later under load)."""
     n, timeout = options.n, options.start_timeout
     started = time.monotonic()
-    short_since: float | None = None
+    seen: set[int] = set()  # engine processes that were alive at some point
     while len(client.ids) < n:
         now = time.monotonic()
         local = options.engines == "mpi" and not options.multi_host
-        alive = local_rank_processes(cluster) if local else None
-        short_since = (short_since or now) if alive is not None and alive < n else None
+        alive = local_engine_pids(cluster) if local else set()
+        seen |= alive
         stopped = any(launcher.state == "after" for launcher in cluster.engines.values())
-        # Spawning takes milliseconds; a rank missing for a while has exited.
-        if stopped or (short_since and now - short_since > RANK_GONE_S):
+        # A rank's engine that was running and is gone has exited (on a busy host the others
+        # may not have been spawned yet: their absence says nothing).
+        if stopped or seen - alive:
             raise ClusterStartError(
                 f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
             )
@@ -64,10 +62,10 @@ def wait_for_engines(
         time.sleep(0.2)
 
 
-def local_rank_processes(cluster: ipp.Cluster) -> int | None:
-    """Engines alive under this host's MPI launcher (each is the child of its rank's parent,
-    ``rank/world/launch.py``, which outlives a killed engine); None before any was spawned."""
-    count = 0
+def local_engine_pids(cluster: ipp.Cluster) -> set[int]:
+    """The engines alive under this host's MPI launcher (each the child of its rank's parent,
+    ``rank/world/launch.py``, which outlives a killed engine)."""
+    pids: set[int] = set()
     for launcher in cluster.engines.values():
         try:
             below = psutil.Process(launcher.pid).children(recursive=True)
@@ -76,10 +74,10 @@ def local_rank_processes(cluster: ipp.Cluster) -> int | None:
         for proc in below:
             try:
                 if "axon_nb.rank.world.launch" in proc.cmdline():
-                    count += sum(alive(c.pid) for c in proc.children())
+                    pids.update(c.pid for c in proc.children() if alive(c.pid))
             except psutil.Error:
                 continue
-    return count or None
+    return pids
 
 
 def join_world(
