@@ -255,6 +255,14 @@ class Transport:
             self._broken = f"rank {e.rank} died{where}"
             e.with_log(self.log.ending() if self.log is not None else "")
             raise
+        except KeyboardInterrupt:
+            # However quickly Ctrl-C came twice, no rank is left inside a collective its
+            # peers left: the next call's collective would pair with it and abort the rank.
+            with held_interrupts():
+                busy = [t for t, part in zip(targets, ar.split(), strict=True) if not part.ready()]
+                if joined and busy:
+                    control.release(busy)  # (severs the group from the ranks that are free)
+            raise
         finally:
             if control.released and not self._broken and self.ranks:
                 self._reform_world()
