@@ -24,7 +24,7 @@ from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.sending import call_args
 from axon_nb.cluster.stacks import StackReport
-from axon_nb.cluster.waiting import results, wait_for_ranks
+from axon_nb.cluster.waiting import release_left_behind, results, wait_for_ranks
 from axon_nb.errors import ClusterBrokenError, NoClusterError, RankDiedError
 from axon_nb.rank import entry
 from axon_nb.spec.signals import NATIVE_SIGNAL
@@ -258,10 +258,9 @@ class Transport:
         except KeyboardInterrupt:
             # However quickly Ctrl-C came twice, no rank is left inside a collective its
             # peers left: the next call's collective would pair with it and abort the rank.
-            with held_interrupts():
-                busy = [t for t, part in zip(targets, ar.split(), strict=True) if not part.ready()]
-                if joined and busy:
-                    control.release(busy)  # (severs the group from the ranks that are free)
+            if joined:
+                with held_interrupts():
+                    release_left_behind(ar, targets, control)
             raise
         finally:
             if control.released and not self._broken and self.ranks:

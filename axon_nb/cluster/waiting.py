@@ -237,6 +237,20 @@ def _unstick(
     return _wait_until_ready(parts, INTERRUPT_GRACE_S, streams)
 
 
+def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankControl) -> None:
+    """After the kernel stopped waiting on a Ctrl-C (however quickly a second one came):
+    release the ranks still inside the interrupted work, so that none is left in a collective
+    its peers left (the next collective would pair with it and abort the rank). When every
+    rank is still busy, the first to unwind is waited for up to ``STUCK_AFTER_S``."""
+    parts = dict(zip(ranks, ar.split(), strict=True))
+    end = time.monotonic() + STUCK_AFTER_S
+    while not any(p.ready() for p in parts.values()) and time.monotonic() < end:
+        time.sleep(0.05)
+    busy = _running(parts)
+    if busy and len(busy) < len(parts):
+        control.release(busy)
+
+
 def _soft_stop(
     parts: dict[int, ipp.AsyncResult],
     control: RankControl,

@@ -49,12 +49,11 @@ class LossRule:
         """The micro-batch's loss: its mean, or with ``num_items`` (token normalization) its
         summed token losses divided by ``num_items``."""
         if isinstance(batch, Mapping):
-            extra = {"num_items_in_batch": num_items} if num_items is not None else {}
-            if num_items is not None and not self.passes_count:
-                extra = {}
+            passed = num_items is not None and self.passes_count  # the model divides by it
+            extra = {"num_items_in_batch": num_items} if passed else {}
             output = model(**batch, **extra)
             loss = own_loss(output, batch) if self.loss_fn is None else self.loss_fn(output, batch)
-            if num_items is not None and not self.passes_count:
+            if num_items is not None and not passed:  # a mean: weighted by its share
                 loss = loss * count_targets(batch, self.shifts_labels) / num_items
             return _scalar(loss)
         if isinstance(batch, tuple | list) and not hasattr(batch, "_fields"):
