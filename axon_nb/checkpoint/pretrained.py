@@ -49,13 +49,20 @@ def save_pretrained(
         targets = cluster.targets()
         ar, interrupted = cluster.apply(targets, entry.save_pretrained, name, str(partial))
         results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
-        if target.exists():
-            old = target.with_name(f"{target.name}.old-{uuid.uuid4().hex[:8]}")
-            target.rename(old)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # incomplete: nothing to keep
+        raise
+    # Complete from here on: a failure to move it in leaves it in ``partial`` (the error names
+    # both paths) and the old directory back at ``target``.
+    if target.exists():
+        old = target.with_name(f"{target.name}.old-{uuid.uuid4().hex[:8]}")
+        target.rename(old)
+        try:
             partial.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            partial.rename(target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)  # gone already when it was moved in
+        except OSError:
+            old.rename(target)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        partial.rename(target)
     return target
