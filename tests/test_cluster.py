@@ -108,6 +108,30 @@ def test_ctrl_c_interrupts_all_ranks_and_the_world_stays_usable(
     assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
 
 
+def _one_rank_a_collective_ahead() -> None:
+    """Rank 3 issues an all-reduce no peer matches (as when Ctrl-C stopped the others just
+    before they issued theirs), then every rank waits for the interrupt."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 3:
+        dist.all_reduce(torch.ones(1024), async_op=True)
+    time.sleep(60)
+
+
+def test_ctrl_c_after_ranks_issued_different_collectives_re_forms_the_world(
+    cluster4: axon_nb.Cluster, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Without the re-forming, the next all-reduce pairs with rank 3's stale one: gloo aborts
+    the rank ("Received data size doesn't match")."""
+    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        cluster4.run(_one_rank_a_collective_ahead)
+    assert "the process group was re-formed" in capfd.readouterr().err
+    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+
+
 def test_killed_engine_is_named_and_restart_recovers(cluster4: axon_nb.Cluster) -> None:
     old = engine_pids(cluster4)
     timer = threading.Timer(1.5, os.kill, (old[3], signal.SIGKILL))

@@ -64,3 +64,42 @@ def test_ctrl_c_at_random_moments_of_cells_and_training_in_a_kernel() -> None:
     sys.path.insert(0, _BENCHMARKS)
     fuzz = importlib.import_module("cell_interrupt_fuzz")
     assert fuzz.fire(8, seed=3) == 8
+
+
+def _frames_below_runner(runner: str, child_file: str) -> Any:
+    """A frame two calls below ``runner`` ("function file"), whose direct callee is compiled
+    as ``child_file``: the stack a SIGINT handler is given."""
+    name, runner_file = runner.split()
+    namespace: dict[str, Any] = {"sys": sys}
+    leaf = "def leaf():\n    return sys._getframe()\n"
+    exec(compile(leaf, "/site/user/cell.py", "exec"), namespace)
+    exec(compile("def child():\n    return leaf()\n", child_file, "exec"), namespace)
+    exec(compile(f"def {name}():\n    return child()\n", runner_file, "exec"), namespace)
+    return namespace[name]()
+
+
+RUN_CODE = "run_code /site/IPython/core/interactiveshell.py"
+
+
+@pytest.mark.parametrize(
+    ("runner", "child", "raises"),
+    [
+        (RUN_CODE, "/tmp/ipykernel_1/2.py", True),  # a cell
+        (RUN_CODE, "/site/IPython/core/ultratb.py", False),  # formatting how it ended
+        ("do_apply /site/ipyparallel/engine/kernel.py", "/work/axon_nb/rank/entry.py", True),
+        ("execute_request /site/ipykernel/ipkernel.py", "/tmp/ipykernel_1/2.py", False),
+    ],
+)
+def test_sigint_raises_only_below_the_code_that_runs_the_users_cell(
+    runner: str, child: str, raises: bool
+) -> None:
+    """In ipykernel's own handling of a request, or of how a cell ended, a Ctrl-C is dropped:
+    raised there it ended an engine, or left the notebook's cell without a reply."""
+    from axon_nb import ipykernel_sigint
+
+    frame = _frames_below_runner(runner, child)
+    if raises:
+        with pytest.raises(KeyboardInterrupt):
+            ipykernel_sigint.interrupt_user_code(2, frame)
+    else:
+        ipykernel_sigint.interrupt_user_code(2, frame)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 
+from axon_nb import ipykernel_sigint
 from axon_nb.cluster import features, reaper, startup, stopping
 from axon_nb.cluster.control import held_interrupts
 from axon_nb.cluster.dask_on_ranks import DaskOnRanks
@@ -95,6 +96,8 @@ class Cluster(Transport):
             raise AxonError("the cluster is already running; stop() or restart() it first")
         opts = self.options
         check_fits_here(opts)  # refused before anything is launched
+        if _in_jupyter_kernel():  # a Ctrl-C as a cell ends must not leave the cell busy
+            ipykernel_sigint.install()
         self.log = ClusterLog.create()
         cluster = ipp.Cluster(
             n=opts.n, engines=opts.engines, log=self.log.logger, controller_args=CONTROLLER_ARGS
@@ -342,3 +345,11 @@ def _forward(arguments: dict[str, Any]) -> dict[str, Any]:
     the cluster as ``cluster``."""
     arguments = {k: v for k, v in arguments.items() if k != "__class__"}
     return {"cluster": arguments.pop("self"), **arguments}
+
+
+def _in_jupyter_kernel() -> bool:
+    if "ipykernel" not in sys.modules:
+        return False
+    from ipykernel.kernelapp import IPKernelApp
+
+    return IPKernelApp.initialized()

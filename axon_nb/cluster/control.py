@@ -68,6 +68,29 @@ class Control:
             print(f"could not release ranks {stuck}: {e}", file=sys.stderr)
 
 
+    def check_in_step(self) -> None:
+        """After an interrupt that every rank unwound from: if ranks issued different numbers
+        of collectives on a group (one was stopped just before issuing what its peers issued),
+        sever every rank's connections (a stale collective still pending fails) and mark the
+        world for re-forming."""
+        alive = [r for r in self.world_ranks if r in set(self.client.ids)]
+        if len(alive) < 2:
+            return
+        try:
+            counts = self.client[alive].apply_async(entry.collectives_issued).get(timeout=10)
+        except Exception as e:  # a diagnosis failing must not hide the interrupt itself
+            print(f"could not compare the ranks' collectives: {e}", file=sys.stderr)
+            return
+        names = {name for issued in counts for name in issued}
+        if all(len({issued[n] for issued in counts if n in issued}) == 1 for n in names):
+            return
+        self.released = True
+        try:
+            self.client[alive].apply_async(entry.sever).get(timeout=10)
+        except Exception as e:
+            print(f"could not sever ranks {alive}: {e}", file=sys.stderr)
+
+
 class HeldInterrupt:
     """Whether a Ctrl-C arrived while it was held back (see :func:`held_interrupts`)."""
 

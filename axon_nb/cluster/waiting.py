@@ -45,6 +45,9 @@ class RankControl(Protocol):
     def where(self, ranks: list[int]) -> str:
         """Where ``ranks`` are now, one line per place (a stack report); "" if unknown."""
 
+    def check_in_step(self) -> None:
+        """Once no rank is busy: re-form the world if ranks issued different collectives."""
+
 
 class RankStreams:
     """Copies each rank's stdout/stderr to the notebook as it arrives, one label per line."""
@@ -241,7 +244,8 @@ def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankCont
     """After the kernel stopped waiting on a Ctrl-C (however quickly a second one came):
     release the ranks still inside the interrupted work, so that none is left in a collective
     its peers left (the next collective would pair with it and abort the rank). When every
-    rank is still busy, the first to unwind is waited for up to ``STUCK_AFTER_S``."""
+    rank is still busy, the first to unwind is waited for up to ``STUCK_AFTER_S``; when none
+    is, their collective counts are compared (``control.check_in_step``)."""
     parts = dict(zip(ranks, ar.split(), strict=True))
     end = time.monotonic() + STUCK_AFTER_S
     while not any(p.ready() for p in parts.values()) and time.monotonic() < end:
@@ -249,6 +253,8 @@ def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankCont
     busy = _running(parts)
     if busy and len(busy) < len(parts):
         control.release(busy)
+    elif not busy:  # one may have stopped just before issuing the collective the others did
+        control.check_in_step()
 
 
 def _soft_stop(

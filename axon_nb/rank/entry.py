@@ -70,6 +70,13 @@ def reform(master_port: int) -> dict[str, object]:
     return world.reform(master_port)
 
 
+def collectives_issued() -> dict[str, int]:
+    """Collectives issued so far on each of this rank's process groups, by group name."""
+    from axon_nb.rank.world import world
+
+    return world.collectives_issued()
+
+
 def sever() -> int:
     """Make this rank's pending collectives fail (its peers have left them)."""
     from axon_nb.rank.world import world

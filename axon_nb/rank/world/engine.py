@@ -26,9 +26,9 @@ def main() -> None:
     threading.Thread(target=_import_torch, name="axon-import-torch", daemon=True).start()
     from ipyparallel.engine.app import main as engine_main
 
-    from axon_nb.rank.world import engine_interrupts
+    from axon_nb import ipykernel_sigint
 
-    engine_interrupts.install()  # Ctrl-C interrupts the user's code, never the engine
+    ipykernel_sigint.install(hold_during_imports=True)  # Ctrl-C never ends the engine
 
     engine_main()
 

@@ -22,17 +22,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-RETRY_S = 0.05
-"""How soon a held-back interrupt is tried again."""
-
-
-def in_import(frame: FrameType | None) -> bool:
-    """True when ``frame`` (a signal handler's) is executing inside an import."""
-    while frame is not None:
-        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
-            return True
-        frame = frame.f_back
-    return False
+from axon_nb.ipykernel_sigint import RETRY_S, in_import
 
 
 class _Guard:

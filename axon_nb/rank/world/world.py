@@ -75,6 +75,22 @@ def sever() -> int:
     return count
 
 
+def collectives_issued() -> dict[str, int]:
+    """How many collectives this rank has issued on each of its process groups, by group name
+    (c10d's sequence numbers). Ranks whose counts differ for a group are out of step: an
+    interrupt stopped one before it issued a collective its peers issued, and the peers' next
+    collective would pair with the stale one (gloo then aborts the process)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return {}
+    counts = {}
+    for group, name in dist.distributed_c10d._world.pg_names.items():
+        with contextlib.suppress(Exception):  # a backend without sequence numbers
+            counts[name] = group._get_sequence_number_for_group()
+    return counts
+
+
 def init_process_group(ctx: runtime.RankContext) -> None:
     """``init_process_group`` for ``ctx``'s rank, recording the sockets its store and groups
     open (see :data:`_world_sockets`)."""
