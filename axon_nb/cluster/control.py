@@ -67,7 +67,6 @@ class Control:
         except Exception as e:
             print(f"could not release ranks {stuck}: {e}", file=sys.stderr)
 
-
     def check_in_step(self) -> None:
         """After an interrupt that every rank unwound from: if ranks issued different numbers
         of collectives on a group (one was stopped just before issuing what its peers issued),
