@@ -87,3 +87,55 @@ def hf_rows(streaming: bool = False, torch_format: bool = False) -> Any:
     if torch_format:
         ds.set_format("torch")
     return ds.to_iterable_dataset() if streaming else ds
+
+
+def tiny_vit() -> Any:
+    """A 2-layer ``ViTForImageClassification`` on 16x16 images, 5 classes."""
+    from transformers import ViTConfig, ViTForImageClassification
+
+    config = ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, num_labels=5,
+    )  # fmt: skip
+    return ViTForImageClassification(config)
+
+
+def tiny_convnext() -> Any:
+    """A 2-stage ``ConvNextForImageClassification`` on 16x16 images, 5 classes."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    config = ConvNextConfig(
+        num_channels=3,
+        num_stages=2,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        patch_size=2,
+        num_labels=5,
+    )
+    return ConvNextForImageClassification(config)
+
+
+class AugmentedImages(torch.utils.data.Dataset):
+    """Images as an image pipeline gives them: each item a dict of ``pixel_values`` and
+    ``labels``, randomly flipped and shifted in the DataLoader's workers. The randomness is
+    drawn from the sample's index, so every sample is augmented the same way on any rank."""
+
+    def __init__(self, count: int = 96) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.images = torch.rand(count, 3, 16, 16, generator=g)
+        self.labels = torch.randint(0, 5, (count,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        info = torch.utils.data.get_worker_info()
+        if info is None:
+            raise RuntimeError("augmentation runs in the DataLoader's workers here")
+        g = torch.Generator().manual_seed(1000 + i)
+        image = self.images[i]
+        if torch.rand(1, generator=g) < 0.5:
+            image = image.flip(-1)
+        shift = int(torch.randint(-2, 3, (1,), generator=g))
+        image = image.roll(shift, dims=-2)
+        return {"pixel_values": (image - 0.5) / 0.5, "labels": self.labels[i]}

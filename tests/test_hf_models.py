@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
 import torch
-from hf_models import TokenRows, hf_rows, lora_llama, pad, pretrained_llama, tiny_llama
+from hf_models import (
+    AugmentedImages,
+    TokenRows,
+    hf_rows,
+    lora_llama,
+    pad,
+    pretrained_llama,
+    tiny_convnext,
+    tiny_llama,
+    tiny_vit,
+)
 
 import axon_nb
 from axon_nb import DDP, FSDP
@@ -21,12 +30,6 @@ pytest.importorskip("datasets")
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 STEPS = 12
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=120) as cluster:
-        yield cluster
 
 
 def shifted_cross_entropy(output: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -286,3 +289,21 @@ def test_a_plan_naming_nothing_names_the_nearest_modules(cluster: axon_nb.Cluste
     with pytest.raises(ValueError, match="or is 'auto'"):
         TensorParallel(plan={"lm_head": "diagonal"})
     assert cluster.run(lambda: 1) == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("model", "strategy"),
+    [(tiny_vit, DDP()), (tiny_vit, FSDP()), (tiny_convnext, DDP())],
+    ids=["vit-ddp", "vit-fsdp", "convnext-ddp"],
+)
+def test_image_models_augmented_in_loader_workers_equal_one_process(
+    cluster: axon_nb.Cluster, model: Any, strategy: Any
+) -> None:
+    """Dict batches of ``pixel_values`` and ``labels``, the model's own loss, augmentation in
+    two DataLoader workers per rank (the dataset refuses to run anywhere else)."""
+    run = dict(
+        model=model, data=AugmentedImages(), steps=STEPS, batch_size=8,
+        loader={"num_workers": 2}, optimizer=("adamw", {"lr": 1e-2}),
+    )  # fmt: skip
+    result = cluster.train(**run, strategy=strategy)
+    assert_same_losses(result.losses, axon_nb.train_local(**run).losses)
