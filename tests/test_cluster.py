@@ -132,6 +132,25 @@ def test_ctrl_c_after_ranks_issued_different_collectives_re_forms_the_world(
     assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
 
 
+def _fail_after_rank_3_issued_a_collective() -> None:
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 3:  # issued, then the rank fails before waiting on it
+        dist.all_reduce(torch.ones(1024), async_op=True)
+    raise ValueError(f"rank {dist.get_rank()} failed")
+
+
+def test_ranks_that_failed_after_different_collectives_are_back_in_step(
+    cluster4: axon_nb.Cluster,
+) -> None:
+    """As an interrupt before the training loop's first step left them: without the check,
+    the next collective pairs with rank 3's stale one and gloo aborts the rank."""
+    with pytest.raises(axon_nb.RankError, match="ValueError"):
+        cluster4.run(_fail_after_rank_3_issued_a_collective)
+    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+
+
 def test_killed_engine_is_named_and_restart_recovers(cluster4: axon_nb.Cluster) -> None:
     old = engine_pids(cluster4)
     timer = threading.Timer(1.5, os.kill, (old[3], signal.SIGKILL))

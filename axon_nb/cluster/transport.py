@@ -25,7 +25,7 @@ from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.sending import call_args
 from axon_nb.cluster.stacks import StackReport
 from axon_nb.cluster.waiting import release_left_behind, results, wait_for_ranks
-from axon_nb.errors import ClusterBrokenError, NoClusterError, RankDiedError
+from axon_nb.errors import ClusterBrokenError, NoClusterError, RankDiedError, RankError
 from axon_nb.rank import entry
 from axon_nb.spec.signals import NATIVE_SIGNAL
 
@@ -254,6 +254,13 @@ class Transport:
             where = f" (its output: {self.log.path})" if self.log is not None else ""
             self._broken = f"rank {e.rank} died{where}"
             e.with_log(self.log.ending() if self.log is not None else "")
+            raise
+        except RankError:
+            # Ranks that failed apart may have issued different collectives (one raised, or
+            # was interrupted, before one its peers issued): compare, re-form if they differ.
+            if joined and ar.ready():
+                with held_interrupts():
+                    control.check_in_step()
             raise
         except KeyboardInterrupt:
             # However quickly Ctrl-C came twice, no rank is left inside a collective its
