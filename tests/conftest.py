@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Iterator
@@ -27,18 +28,85 @@ os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
 )
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    """Two MPI ranks on gloo, shared by a module's tests (a module may define its own)."""
-    with axon_nb.Cluster(n=2, timeout=60) as cluster:
-        yield cluster
+class ClusterPool:
+    """Started clusters kept for the whole session of one pytest worker, one per set of
+    options: a module asks for ``get(n)`` and gets the running cluster of earlier modules when
+    it is still healthy with the same options, else a fresh one. A cluster start is seconds of
+    CPU for every rank (each imports torch), the largest cost of the suite on two cores."""
+
+    def __init__(self) -> None:
+        self._clusters: dict[tuple[int, float], tuple[axon_nb.Cluster, object]] = {}
+
+    def get(self, n: int, timeout: float = 120) -> axon_nb.Cluster:
+        key = (n, timeout)
+        if key in self._clusters:
+            cluster, options = self._clusters.pop(key)
+            if self._healthy(cluster, options):
+                self._clusters[key] = (cluster, options)
+                return cluster
+            cluster.stop()
+        cluster = axon_nb.Cluster(n=n, timeout=timeout).start()
+        self._clusters[key] = (cluster, dataclasses.replace(cluster.options))
+        return cluster
+
+    @staticmethod
+    def _healthy(cluster: axon_nb.Cluster, options: object) -> bool:
+        """Running as started (a test may restart, resize, stop or break it); the runs an
+        earlier module left on the ranks are dropped."""
+        n = cluster.options.n
+        if not cluster.running or cluster.options != options or len(cluster.ranks) != n:
+            return False
+        try:
+            return cluster.run(_fresh_world_sum, stream=False) == [n] * n
+        except Exception:
+            return False
+
+    def close(self) -> None:
+        for cluster, _ in self._clusters.values():
+            cluster.stop()
+        self._clusters.clear()
+
+
+def _fresh_world_sum() -> int:
+    """(On every rank) forget the runs kept between calls; an all-reduce of ones."""
+    import torch
+    import torch.distributed as dist
+
+    from axon_nb.rank.training import trainstate
+
+    for name in list(trainstate.runs()):
+        trainstate.drop(name)
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+@pytest.fixture(scope="session")
+def cluster_pool() -> Iterator[ClusterPool]:
+    pool = ClusterPool()
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="module")
-def cluster4() -> Iterator[axon_nb.Cluster]:
-    """Four MPI ranks on gloo, shared by a module's tests."""
-    with axon_nb.Cluster(n=4, timeout=60) as cluster:
-        yield cluster
+def no_pooled_clusters(cluster_pool: ClusterPool) -> None:
+    """For modules that count every process (or port) of this worker: the pool's clusters
+    are stopped first (a later module that asks for one starts it again)."""
+    cluster_pool.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_pool: ClusterPool) -> axon_nb.Cluster:
+    """Two MPI ranks on gloo, shared by a module's tests and with later modules (a module may
+    define its own)."""
+    return cluster_pool.get(2)
+
+
+@pytest.fixture(scope="module")
+def cluster4(cluster_pool: ClusterPool) -> axon_nb.Cluster:
+    """Four MPI ranks on gloo, shared by a module's tests and with later modules."""
+    return cluster_pool.get(4)
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +119,10 @@ def shell() -> Iterator[InteractiveShell]:
 
 
 SLOW_FIRST = (
-    "test_train_model_parallel.py", "test_recovery.py", "test_lab_sidebar.py",
-    "test_hf_models.py", "test_train_fsdp.py", "test_stop.py", "test_hang.py",
-    "test_checkpoint.py", "test_lifecycle.py", "test_notebook.py", "test_parallel_options.py",
-    "test_hosts.py",
+    "test_start_under_load.py", "test_recovery.py", "test_train_model_parallel.py",
+    "test_hosts.py", "test_hf_models.py", "test_interrupts.py", "test_lab_sidebar.py",
+    "test_hang.py", "test_train_fsdp.py", "test_stop.py", "test_lifecycle.py",
+    "test_predictions.py", "test_checkpoint.py", "test_notebook.py", "test_parallel_options.py",
 )  # fmt: skip
 """The longest files, started first: `make test` hands whole files to two workers in this
 order (pytest-xdist's loadfile), so none of them is left running alone at the end."""

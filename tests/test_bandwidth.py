@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 import axon_nb
@@ -13,9 +11,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=4, timeout=120) as c:
-        yield c
+def cluster(cluster4: axon_nb.Cluster) -> axon_nb.Cluster:
+    return cluster4
 
 
 def test_every_collective_gets_time_algbw_and_busbw(cluster: axon_nb.Cluster) -> None:

@@ -3,8 +3,6 @@ says why in its row and the others run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 from models import make_data, make_mlp, mse
 
@@ -12,12 +10,6 @@ import axon_nb
 from axon_nb import DDP, FSDP, Hybrid, LocalSGD, Pipeline, ZeRO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=120) as c:
-        yield c
 
 
 def test_strategies_side_by_side_and_failures_in_their_rows(cluster: axon_nb.Cluster) -> None:

@@ -3,7 +3,6 @@ and training equals the uncompiled one-process reference within float tolerance.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -32,9 +31,8 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=300) as c:
-        yield c
+def cluster(cluster_pool: Any) -> axon_nb.Cluster:
+    return cluster_pool.get(2, timeout=300)  # (the first compile keeps a peer waiting)
 
 
 @pytest.fixture(scope="module")

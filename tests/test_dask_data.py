@@ -5,7 +5,6 @@ equals ``train_local`` on the same collection computed in one process."""
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -47,12 +46,6 @@ def mlp() -> torch.nn.Module:
 
 ARGS: dict[str, Any] = dict(model=mlp, loss=mse, steps=12, batch_size=32)
 TARGETS = ["y0", "y1", "y2", "y3"]
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=120) as c:
-        yield c
 
 
 def _rows_held() -> int:

@@ -14,7 +14,11 @@ from models import make_data, make_mlp, mse
 import axon_nb
 from axon_nb import FSDP
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.usefixtures("no_pooled_clusters"),
+    pytest.mark.timeout(240),
+]
 
 LOOPBACK = {"127.0.0.1", "::1"}
 

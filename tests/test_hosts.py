@@ -23,6 +23,7 @@ from axon_nb.errors import RankDiedError
 
 pytestmark = [
     pytest.mark.cluster,
+    pytest.mark.usefixtures("no_pooled_clusters"),
     pytest.mark.timeout(400),
     pytest.mark.skipif(missing() is not None, reason=f"namespaced hosts: {missing()}"),
 ]

@@ -17,7 +17,11 @@ from helpers import wait_gone
 
 import axon_nb
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.usefixtures("no_pooled_clusters"),
+    pytest.mark.timeout(180),
+]
 
 
 def _descendants() -> set[int]:
@@ -25,6 +29,8 @@ def _descendants() -> set[int]:
 
 
 def test_missing_mpiexec_says_how_to_install_it(monkeypatch) -> None:
+    import ipyparallel.cluster.launcher  # noqa: F401  (its defaults read sys.executable once)
+
     monkeypatch.setattr(sys, "executable", "/nonexistent/bin/python")
     monkeypatch.setenv("PATH", "/nonexistent")
     before = _descendants()
@@ -46,8 +52,8 @@ def test_a_rank_dying_during_start_is_reported_and_cleaned_up(tmp_path: Path, mo
     )
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     cluster = axon_nb.Cluster(n=2, start_timeout=60)
-    with pytest.raises(axon_nb.ClusterStartError):
-        cluster.start()
+    with pytest.raises(axon_nb.ClusterStartError, match="a rank exited while starting"):
+        cluster.start()  # at once, not after the start timeout
     assert not cluster.running
     assert wait_gone(list(_descendants())) == []
 
@@ -89,18 +95,6 @@ def test_engines_and_controller_never_outlive_their_starter(tmp_path: Path, endi
         assert not os.path.exists(report["watch"])
     finally:
         proc.kill()
-
-
-@pytest.mark.timeout(600)
-def test_twenty_starts_in_a_row_under_a_cpu_hog_all_start() -> None:
-    """benchmarks/start_under_load.py (which starts 50): the "0 of N engines connected"
-    flake under load. A failure prints its error and the end of the cluster's log."""
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    from start_under_load import start_many
-
-    before = _descendants()
-    assert start_many(20, hogs=1) == 20
-    assert wait_gone(list(_descendants() - before)) == []
 
 
 def test_an_engine_that_gives_up_registering_fails_the_start_at_once(monkeypatch) -> None:

@@ -3,7 +3,6 @@ aligned and exact resumes, and the DataLoader options (workers, pinning, prefetc
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +17,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 ARGS: dict[str, Any] = dict(model=make_mlp, loss=mse, steps=10, batch_size=16)
 WORKERS = dict(num_workers=2, persistent_workers=True, prefetch_factor=2)
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=120) as c:
-        yield c
 
 
 @pytest.mark.parametrize("loader", [None, WORKERS], ids=["in-process", "two-workers"])

@@ -3,7 +3,6 @@ all-reduces ``period`` times less often (counted in bytes)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,12 +20,6 @@ ARGS: dict[str, Any] = dict(
 )  # fmt: skip
 AGREEMENT_BYTES = 4 * 4
 """The loop's own all-reduce per step (loss and three flags)."""
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=2, timeout=120) as c:
-        yield c
 
 
 def _model_bytes(result: axon_nb.TrainResult) -> int:

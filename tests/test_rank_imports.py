@@ -4,6 +4,7 @@ a bandwidth test, no rank has imported widgets, the cluster, the server or the m
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,15 @@ from models import make_data, make_mlp, mse
 import axon_nb
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    """A fresh cluster: a pooled one may have imported earlier test modules (and through them
+    the kernel side) to run their functions."""
+    with axon_nb.Cluster(n=2, timeout=60) as fresh:
+        yield fresh
+
 
 KERNEL_SIDE = ("axon_nb.cluster", "axon_nb.widgets", "axon_nb.server", "axon_nb.magics",
                "axon_nb.train", "axon_nb.checkpoint", "axon_nb.estimate", "ipywidgets",

@@ -17,7 +17,11 @@ from IPython.core.error import UsageError
 import axon_nb
 from axon_nb.spec.stop_waits import ASK_S, KILL_AFTER_S
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(120)]
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.usefixtures("no_pooled_clusters"),
+    pytest.mark.timeout(120),
+]
 
 STOP_S = 10.0
 """What the README promises for every stop path."""

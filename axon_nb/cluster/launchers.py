@@ -24,16 +24,14 @@ MPI_HINT = (
 )
 
 
-ENGINE_CMD = [
-    sys.executable,
-    "-m",
-    "axon_nb.rank.world.launch",
-    sys.executable,
-    "-m",
-    "axon_nb.rank.world.engine",
-]
-"""What ``mpiexec`` starts on each rank: the engine (``rank/world/engine.py``: ipyparallel's, with
-torch imported on a side thread) under its parent, ``rank/world/launch.py``."""
+def engine_cmd() -> list[str]:
+    """What ``mpiexec`` starts on each rank: the engine (``rank/world/engine.py``:
+    ipyparallel's, with torch imported on a side thread) under its parent,
+    ``rank/world/launch.py``; with this interpreter, as it is when the cluster starts."""
+    return [
+        sys.executable, "-m", "axon_nb.rank.world.launch",
+        sys.executable, "-m", "axon_nb.rank.world.engine",
+    ]  # fmt: skip
 
 ENGINE_ARGS = ["--IPEngine.timeout=120"]
 """The engine waits this long for the controller to answer its registration. ipyparallel's 5 s
@@ -119,7 +117,7 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions, log_path: str)
     # A rank killed by a signal must not take the others with it (hydra's and gforker's
     # process managers end the rest): its parent, ``rank/world/launch.py``, keeps its MPI slot, and
     # the survivors keep their state (``cluster.rescue``).
-    launcher.engine_cmd = ENGINE_CMD
+    launcher.engine_cmd = engine_cmd()
     if _is_hydra(mpiexec):
         # Without this, hydra kills every rank when one exits early, and the kernel can no
         # longer tell which rank it was.
@@ -150,7 +148,7 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
         launcher = cluster.config.MPIEngineSetLauncher
         launcher.mpi_cmd = [mpiexec]
         launcher.mpi_args = ["-disable-auto-cleanup"]
-        launcher.engine_cmd = ENGINE_CMD
+        launcher.engine_cmd = engine_cmd()
         launcher.engine_args = list(ENGINE_ARGS)
         launcher.environment = environment
         return
@@ -161,7 +159,7 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
     os.makedirs(log_dir, exist_ok=True)
     launcher.batch_file_name = os.path.join(log_dir, f"axon-slurm-{cluster.cluster_id}.sbatch")
     launcher.batch_template = SLURM_JOB.replace("{mpiexec}", mpiexec).replace("{log_dir}", log_dir)
-    launcher.engine_cmd = ENGINE_CMD
+    launcher.engine_cmd = engine_cmd()
     launcher.engine_args = ["--mpi", *ENGINE_ARGS]
     launcher.environment = environment
     if options.partition:
@@ -205,7 +203,7 @@ def route_address(host: str) -> str:
 def _configure_local(cluster: ipp.Cluster, options: ClusterOptions, log_path: str) -> None:
     cluster.engine_launcher_class = "local"
     launcher = cluster.config.LocalEngineSetLauncher
-    launcher.engine_cmd = ENGINE_CMD
+    launcher.engine_cmd = engine_cmd()
     launcher.engine_args = ENGINE_ARGS
     launcher.environment = engine_environment(log_path)
 

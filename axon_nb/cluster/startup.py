@@ -38,15 +38,22 @@ def wait_for_engines(
     n, timeout = options.n, options.start_timeout
     started = time.monotonic()
     seen: set[int] = set()  # engine processes that were alive at some point
+    short_since: float | None = None  # since when an engine connected but a rank is missing
     while len(client.ids) < n:
         now = time.monotonic()
         local = options.engines == "mpi" and not options.multi_host
         alive = local_engine_pids(cluster) if local else set()
         seen |= alive
         stopped = any(launcher.state == "after" for launcher in cluster.engines.values())
+        # A rank process that exited at once may never be seen (and the others then wait in
+        # MPI_Init for it): MPI's proxy starts them all together, so once an engine runs,
+        # every rank's parent is there, or was.
+        missing = local and seen and len(rank_parent_pids(cluster)) < n
+        short_since = (short_since or now) if missing else None
         # A rank's engine that was running and is gone has exited (on a busy host the others
         # may not have been spawned yet: their absence says nothing).
-        if stopped or seen - alive:
+        gone = short_since is not None and now - short_since > MISSING_RANK_S
+        if stopped or seen - alive or gone:
             raise ClusterStartError(
                 f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
             )
@@ -60,6 +67,28 @@ def wait_for_engines(
                 f"only {len(client.ids)} of {n} engines connected within {timeout:.0f} s"
             )
         time.sleep(0.2)
+
+
+MISSING_RANK_S = 10.0
+"""How long a local rank's process may be missing once an engine runs before the start fails
+(they are started together; a busy host still runs each within this)."""
+
+
+def rank_parent_pids(cluster: ipp.Cluster) -> set[int]:
+    """The rank processes under this host's MPI launcher (``rank/world/launch.py``)."""
+    pids: set[int] = set()
+    for launcher in cluster.engines.values():
+        try:
+            below = psutil.Process(launcher.pid).children(recursive=True)
+        except psutil.Error:
+            continue
+        for proc in below:
+            try:
+                if "axon_nb.rank.world.launch" in proc.cmdline() and alive(proc.pid):
+                    pids.add(proc.pid)
+            except psutil.Error:
+                continue
+    return pids
 
 
 def local_engine_pids(cluster: ipp.Cluster) -> set[int]:

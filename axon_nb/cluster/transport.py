@@ -271,7 +271,12 @@ class Transport:
             raise
         finally:
             if control.released and not self._broken and self.ranks:
-                self._reform_world()
+                # A Ctrl-C now (the second of a quick pair) would leave the ranks between
+                # the old group and the new one, with none: it waits for the re-forming.
+                with held_interrupts() as held:
+                    self._reform_world()
+                if held.arrived and sys.exc_info()[0] is None:
+                    raise KeyboardInterrupt
 
     def report_hang(self, seconds: float, *, progress: str) -> StackReport | None:
         """Print every rank's stacks to stderr after ``seconds`` without ``progress`` (what

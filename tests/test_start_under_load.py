@@ -1,0 +1,33 @@
+"""The "0 of N engines connected" flake under load (issue 23 item 5): twenty clusters in a
+row start and stop while a CPU hog runs, and leave nothing behind. Its own file so that it
+runs beside the rest of the suite rather than after test_lifecycle.py's other tests."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import wait_gone
+
+pytestmark = [
+    pytest.mark.cluster,
+    pytest.mark.usefixtures("no_pooled_clusters"),
+    pytest.mark.timeout(600),
+]
+
+
+def _descendants() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_twenty_starts_in_a_row_under_a_cpu_hog_all_start() -> None:
+    """benchmarks/start_under_load.py (which starts 50): the "0 of N engines connected"
+    flake under load. A failure prints its error and the end of the cluster's log."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from start_under_load import start_many
+
+    before = _descendants()
+    assert start_many(20, hogs=1) == 20
+    assert wait_gone(list(_descendants() - before)) == []
