@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     )
     from axon_nb.estimate import advise
     from axon_nb.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+    from axon_nb.spec.pretrained_model import pretrained
     from axon_nb.strategies import (
         DDP,
         FSDP,
@@ -72,6 +73,7 @@ __all__ = [
     "current_cluster",
     "estimate",
     "load_ipython_extension",
+    "pretrained",
     "train_local",
     "unload_ipython_extension",
 ]
@@ -92,6 +94,7 @@ _LAZY = {
     "advise": "axon_nb.estimate",
     "ColumnParallelLinear": "axon_nb.parallel.tensor",
     "RowParallelLinear": "axon_nb.parallel.tensor",
+    "pretrained": "axon_nb.spec.pretrained_model",
     **dict.fromkeys(
         ["DDP", "FSDP", "Hybrid", "LocalSGD", "Pipeline", "SingleDevice", "Strategy"],
         "axon_nb.strategies",

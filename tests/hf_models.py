@@ -139,3 +139,19 @@ class AugmentedImages(torch.utils.data.Dataset):
         shift = int(torch.randint(-2, 3, (1,), generator=g))
         image = image.roll(shift, dims=-2)
         return {"pixel_values": (image - 0.5) / 0.5, "labels": self.labels[i]}
+
+
+class FixedTokens(torch.utils.data.Dataset):
+    """Token rows of one length (no padding) as dicts of ``input_ids`` and ``labels``: every
+    micro-batch has as many target tokens, so a pipeline's micro-batch means average to the
+    batch's token mean."""
+
+    def __init__(self, count: int = 96, length: int = 12) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(1, VOCAB, (count, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

@@ -6,7 +6,7 @@ import atexit
 import dataclasses
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
@@ -205,6 +205,8 @@ class Cluster(Transport):
     def train(
         self, model: Any = None, data: Any = None, *, strategy: Any = None,
         columns: tuple[Any, Any] | None = None, optimizer: Any = None,
+        param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
+        no_decay: str | None = None,
         loss: Callable[..., Any] | None = None, loss_normalization: str = "mean", steps: int,
         batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,
@@ -226,6 +228,8 @@ class Cluster(Transport):
     def compare(
         self, strategies: list[Any], *, steps: int = 10, warmup: int = 2, model: Any = None,
         data: Any = None, columns: tuple[Any, Any] | None = None, optimizer: Any = None,
+        param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
+        no_decay: str | None = None,
         loss: Callable[..., Any] | None = None, loss_normalization: str = "mean",
         batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,

@@ -2,26 +2,27 @@
 
 Bytes are what the communication meter counts (``axon_nb.metrics.comm``): the payload this
 rank hands to each collective (an all-gather's input shard, a reduce-scatter's whole input,
-both ends of a send/recv). With ``P`` the parameters of this rank's layers, ``b`` bytes per
-element, ``s`` the shards, ``A`` a layer's activation bytes for this rank's samples:
+both ends of a send/recv). With ``P`` the parameters of this rank's layers, ``T`` the
+trainable ones (frozen parameters have no gradients to reduce and are never updated), ``b``
+bytes per element, ``s`` the shards, ``A`` a layer's activation bytes for this rank's samples:
 
 =============================  ==========================================================
-DDP, ZeRO-1                    all-reduce ``P b`` (half with an fp16/bf16 comm hook)
-ZeRO-1                         + broadcast ``P b`` (each rank's updated share to the rest)
-ZeRO-2                         reduce-scatter ``P b``, all-gather ``P b / s``
+DDP, ZeRO-1                    all-reduce ``T b`` (half with an fp16/bf16 comm hook)
+ZeRO-1                         + broadcast ``T b`` (each rank's updated share to the rest)
+ZeRO-2                         reduce-scatter ``T b``, all-gather ``T b / s``
 FSDP / ZeRO-3                  all-gather ``P b / s`` in forward and again in backward
                                (once without resharding after forward; in a pipeline,
-                               once per micro-batch and once more), reduce-scatter ``P b``;
-                               hybrid sharding all-reduces the ``P b / s`` shards across
+                               once per micro-batch and once more), reduce-scatter ``T b``;
+                               hybrid sharding all-reduces the ``T b / s`` shards across
                                replicas
 tensor parallel                all-reduce each row-parallel output (forward) and each
                                column-parallel input (backward)
 sequence parallel              reduce-scatter both of those; all-gather their sequence
                                shards back (``A / tp``), and the stream entering and
                                leaving the blocks
-pipeline                       send and receive each boundary activation and its gradient,
-                               per micro-batch
-LocalSGD (after warm-up)       all-reduce of ``P b`` every ``period`` steps, no gradients
+pipeline                       send and receive each boundary activation and its gradient
+                               (none behind frozen layers only), per micro-batch
+LocalSGD (after warm-up)       all-reduce of ``T b`` every ``period`` steps, no gradients
 every step                     16 bytes: the loop's agreement on loss and stop
 =============================  ==========================================================
 
@@ -65,8 +66,9 @@ def comm_by_axis(
     tp = layout.dims.tp
     layers = [profile.layers[i] for i in layout.layers]
     local = sum(layer.local_params(tp) for layer in layers)
+    trained = sum(layer.local_trainable(tp) for layer in layers)
     b = profile.param_bytes
-    _data_parallel(out, layout, local, b, local_sgd_step)
+    _data_parallel(out, layout, (local, trained), b, local_sgd_step)
     if tp > 1:
         _tensor_parallel(out, layout, layers)
     if layout.dims.pp > 1:
@@ -75,23 +77,28 @@ def comm_by_axis(
 
 
 def _data_parallel(
-    out: dict[tuple[str, str], float], layout: RankLayout, local: float, b: int, step: int | None
+    out: dict[tuple[str, str], float],
+    layout: RankLayout,
+    params: tuple[float, float],
+    b: int,
+    step: int | None,
 ) -> None:
-    kind, dp = layout.kind, layout.dims.dp
+    """``params``: this rank's parameters, and the trainable ones among them."""
+    (local, trained), kind, dp = params, layout.kind, layout.dims.dp
     if kind in ("ddp", "zero1"):
         sgd = layout.config.local_sgd
         ddp = layout.config.ddp
         hook = ddp.comm_hook if ddp is not None else None
         grad_b = 2 if hook in ("fp16", "bf16") else b
         if sgd is None or (step is not None and step < sgd.warmup_steps):
-            out["dp", "all_reduce"] += local * grad_b
+            out["dp", "all_reduce"] += trained * grad_b
         elif step is None or step % sgd.period == 0:
-            out["dp", "all_reduce"] += local * b / (sgd.period if step is None else 1)
+            out["dp", "all_reduce"] += trained * b / (sgd.period if step is None else 1)
         if kind == "zero1":
-            out["dp", "broadcast"] += local * b
+            out["dp", "broadcast"] += trained * b
     elif kind == "zero2":
-        out["dp", "reduce_scatter"] += local * b
-        out["dp", "all_gather"] += local * b / dp
+        out["dp", "reduce_scatter"] += trained * b
+        out["dp", "all_gather"] += trained * b / dp
     elif kind == "fsdp":
         fsdp = layout.config.fsdp
         assert fsdp is not None
@@ -104,9 +111,9 @@ def _data_parallel(
             else:
                 gathers = 2 if fsdp.reshard_after_forward else 1
             out["dp_shard", "all_gather"] += gathers * local * gather_b / shards
-            out["dp_shard", "reduce_scatter"] += local * reduce_b
+            out["dp_shard", "reduce_scatter"] += trained * reduce_b
         if layout.dims.dp_replicate > 1:
-            out["dp_replicate", "all_reduce"] += local * reduce_b / shards
+            out["dp_replicate", "all_reduce"] += trained * reduce_b / shards
 
 
 def _tensor_parallel(out: dict[tuple[str, str], float], layout: RankLayout, layers: list) -> None:
@@ -128,6 +135,8 @@ def _pipeline(out: dict[tuple[str, str], float], profile: ModelProfile, layout: 
     per_micro = layout.micro_samples * layout.microbatches
     for stage in layout.stages:
         if stage[0] > 0:  # receives its input, sends its gradient back
-            out["pp", "send_recv"] += 2 * profile.layers[stage[0] - 1].output_bytes * per_micro
+            ways = 2 if profile.carries_gradient(stage[0] - 1) else 1
+            out["pp", "send_recv"] += ways * profile.layers[stage[0] - 1].output_bytes * per_micro
         if stage[-1] < len(profile.layers) - 1:  # sends its output, receives its gradient
-            out["pp", "send_recv"] += 2 * profile.layers[stage[-1]].output_bytes * per_micro
+            ways = 2 if profile.carries_gradient(stage[-1]) else 1
+            out["pp", "send_recv"] += ways * profile.layers[stage[-1]].output_bytes * per_micro

@@ -1,20 +1,21 @@
 """Predicted peak memory of one rank during a training step, by term.
 
 With ``P`` the parameters this rank's layers hold (tensor-parallel layers split by ``tp``),
-``b`` bytes per parameter, ``s`` the shards of its parameters and ``o`` of its optimizer
-state:
+``T`` the trainable ones among them (all but those with ``requires_grad=False``, such as a
+LoRA model's base: they have no gradients and no optimizer state), ``b`` bytes per
+parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
 
 =============  ==================================================================
 ``params``     ``P b / s``
-``optimizer``  ``P x state bytes / o`` (Adam: two fp32 moments, 8 bytes; SGD: 4 or 0)
-``buckets``    DDP (and ZeRO-1's DDP): its gradient buckets, ``P b``, allocated once
-``rebuild``    DDP: ``P b`` more at the second step, when DDP rebuilds its buckets in
+``optimizer``  ``T x state bytes / o`` (Adam: two fp32 moments, 8 bytes; SGD: 4 or 0)
+``buckets``    DDP (and ZeRO-1's DDP): its gradient buckets, ``T b``, allocated once
+``rebuild``    DDP: ``T b`` more at the second step, when DDP rebuilds its buckets in
                the order gradients arrived (the old ones go after); with activation
-               checkpointing ``2 P b``: the peak then comes late in backward, when the
+               checkpointing ``2 T b``: the peak then comes late in backward, when the
                gradients and their copies in the buckets are both whole
-``grads``      ``P b / s`` (FSDP: gradient shards; the unsharded ones are transient). In
+``grads``      ``T b / s`` (FSDP: gradient shards; the unsharded ones are transient). In
                a pipeline FSDP accumulates whole gradients over the micro-batches and
-               reduce-scatters after the last: ``P b``
+               reduce-scatters after the last: ``T b``
 ``activations``  saved activations of the rank's layers x the samples in flight (a
                pipeline keeps several micro-batches); with activation checkpointing a
                checkpointed block keeps its input only, and one block's activations are
@@ -23,14 +24,15 @@ state:
 ``backward``   the last layer's backward working set (activation gradients, the loss's
                temporaries), on the rank that holds it
 ``pipeline``   a pipeline stage's receive buffers, one per micro-batch (activations in,
-               gradients back: ``batch x boundary bytes`` each way it receives), and
-               ``P b`` of weight gradients a micro-batch's backward returns before they
+               gradients back: ``batch x boundary bytes`` each way it receives; none
+               come back to a stage when it and every layer before it are frozen), and
+               ``T b`` of weight gradients a micro-batch's backward returns before they
                are added to the accumulated ones
 ``gathered``   FSDP: whole parameters of two units at once (the one running and the
                prefetched next) and one unit's whole gradients on their way into its
                reduce-scatter; without resharding after forward, all parameters. A
                pipeline stage is one FSDP unit (its layers are not in a ``ModuleList``):
-               ``P b`` gathered, and ``P b`` more for the reduce-scatter's copy of the
+               ``P b`` gathered, and ``T b`` more for the reduce-scatter's copy of the
                accumulated gradients
 =============  ==================================================================
 
@@ -69,23 +71,24 @@ def predict_memory(
     tp, b = layout.dims.tp, profile.param_bytes
     layers = [profile.layers[i] for i in layout.layers]
     local = sum(layer.local_params(tp) for layer in layers)
+    trained = sum(layer.local_trainable(tp) for layer in layers)
     fsdp = layout.config.fsdp if layout.kind == "fsdp" else None
     compute = mixed_precision or (fsdp.param_dtype if fsdp is not None else None)
     half = 0.5 if compute in HALF else 1.0
     replicated = layout.kind in ("ddp", "zero1")
     terms = {
         "params": local * b / layout.param_shards,
-        "optimizer": local * state_bytes(optimizer) / layout.optimizer_shards,
-        "buckets": local * b if replicated else 0.0,
-        "rebuild": local * b * (2 if layout.config.activation_checkpointing else 1)
+        "optimizer": trained * state_bytes(optimizer) / layout.optimizer_shards,
+        "buckets": trained * b if replicated else 0.0,
+        "rebuild": trained * b * (2 if layout.config.activation_checkpointing else 1)
         if replicated
         else 0.0,
-        "grads": local * b / (layout.param_shards if layout.dims.pp == 1 else 1),
+        "grads": trained * b / (layout.param_shards if layout.dims.pp == 1 else 1),
         "activations": half * _activations(layers, layout),
         "backward": (
             half * profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
         ),
-        "pipeline": _pipeline(profile, layout, local * b),
+        "pipeline": _pipeline(profile, layout, trained * b),
         "gathered": _gathered(layers, layout, tp, b if compute not in HALF else 2),
     }
     offloaded = 0.0
@@ -137,8 +140,9 @@ def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) ->
     for stage in layout.stages:
         if stage[0] > 0:  # activations in
             received += profile.layers[stage[0] - 1].output_bytes * samples
-        if stage[-1] < len(profile.layers) - 1:  # gradients back
-            received += profile.layers[stage[-1]].output_bytes * samples
+        last = stage[-1]
+        if last < len(profile.layers) - 1 and profile.carries_gradient(last):  # gradients back
+            received += profile.layers[last].output_bytes * samples
     return received + weight_grads
 
 
@@ -146,11 +150,14 @@ def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -
     shards = layout.param_shards
     if layout.kind != "fsdp" or shards == 1:
         return 0.0
-    units = [layer.local_params(tp) for layer in layers if layer.block]
-    units.append(sum(layer.local_params(tp) for layer in layers if not layer.block))
+    # (parameters, trainable parameters) of each FSDP unit: the blocks, and the rest
+    blocks = [layer for layer in layers if layer.block]
+    rest = [layer for layer in layers if not layer.block]
+    units = [(layer.local_params(tp), layer.local_trainable(tp)) for layer in blocks]
+    units.append((sum(x.local_params(tp) for x in rest), sum(x.local_trainable(tp) for x in rest)))
     assert layout.config.fsdp is not None
     if layout.dims.pp > 1:  # the stage is one unit
-        return 2 * sum(units) * b
+        return sum(p + t for p, t in units) * b
     if not layout.config.fsdp.reshard_after_forward:
-        return sum(units) * b * (1 - 1 / shards)
-    return (sum(sorted(units)[-2:]) + max(units)) * b
+        return sum(p for p, _ in units) * b * (1 - 1 / shards)
+    return (sum(sorted(p for p, _ in units)[-2:]) + max(t for _, t in units)) * b

@@ -43,10 +43,21 @@ class LayerProfile:
     gathers each once)."""
     split_fraction: float = 0.0
     """Share of ``saved_bytes`` tensor parallelism splits."""
+    frozen: int = 0
+    """Parameters that do not train (``requires_grad=False``, e.g. a LoRA model's base): they
+    have no gradients and no optimizer state, and no strategy communicates gradients for
+    them."""
+    tp_frozen: int = 0
+    """Of ``frozen``, those a tensor-parallel plan splits."""
 
     def local_params(self, tp: int) -> float:
         """Parameters one of ``tp`` tensor-parallel ranks holds."""
         return self.params - self.tp_params + self.tp_params / tp
+
+    def local_trainable(self, tp: int) -> float:
+        """Trainable parameters one of ``tp`` tensor-parallel ranks holds."""
+        split = self.tp_params - self.tp_frozen
+        return self.params - self.frozen - split + split / tp
 
     def local_saved(self, tp: int, sequence_parallel: bool = False) -> float:
         """Saved activations per sample on one of ``tp`` tensor-parallel ranks. Sequence
@@ -69,13 +80,25 @@ class ModelProfile:
     """Per sample: the most bytes alive during backward beyond the saved activations and the
     parameter gradients (activation gradients, temporaries, the loss's own)."""
     flops: float = 0.0
-    """Training FLOPs per sample (forward and backward: 6 x parameters x tokens)."""
+    """Training FLOPs per sample: forward 2, backward 2 (activation gradients) and 2 more for
+    each trainable parameter's gradient, x parameters x tokens (6 x parameters x tokens when
+    all of them train)."""
     tokens_per_sample: float = 1.0
 
     @property
     def params(self) -> int:
         """All parameters."""
         return sum(layer.params for layer in self.layers)
+
+    @property
+    def trainable(self) -> int:
+        """Parameters that train (all but the frozen ones)."""
+        return sum(layer.params - layer.frozen for layer in self.layers)
+
+    def carries_gradient(self, index: int) -> bool:
+        """Whether layer ``index``'s output has a gradient in backward: some layer up to it
+        trains (behind a frozen prefix, such as a LoRA model's embedding, none flows)."""
+        return any(layer.params > layer.frozen for layer in self.layers[: index + 1])
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelProfile:

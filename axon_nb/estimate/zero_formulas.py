@@ -12,9 +12,14 @@ ZeRO-2             2Ψ + 14Ψ/N            4Ψ + 12Ψ/N
 ZeRO-3 / FSDP      16Ψ/N                 16Ψ/N
 =================  ====================  ====================
 
+Only trainable parameters have gradients and optimizer state: with ``Φ`` of the ``Ψ`` training
+(a LoRA adapter on a frozen base), the gradient and optimizer terms count ``Φ`` in place of ``Ψ``.
+
 Example::
 
     axon_nb.estimate.memory(1_000_000, axon_nb.ZeRO(stage=1), world_size=4)["total"]
+    axon_nb.estimate.memory(peft_model, "fsdp", world_size=4)   # frozen base: Φ from the model
+    axon_nb.estimate.memory(7e9, "ddp", world_size=8, trainable=4e6)
 """
 
 from __future__ import annotations
@@ -29,33 +34,50 @@ BYTES = {
 
 
 def memory(
-    model_or_num_params: Any, strategy: Any, world_size: int, *, mixed_precision: bool = False
+    model_or_num_params: Any,
+    strategy: Any,
+    world_size: int,
+    *,
+    mixed_precision: bool = False,
+    trainable: float | None = None,
 ) -> dict[str, float]:
     """Per-rank bytes of ``params``, ``grads``, ``optimizer`` and their ``total`` for Adam.
 
     ``strategy`` is a strategy object (``DDP``, ``ZeRO``, ``FSDP``) or its name; shards are
-    counted at rest, between steps.
+    counted at rest, between steps. ``trainable``: how many of the parameters train (default:
+    a model's parameters with ``requires_grad``, all of a count); only they have gradients
+    and optimizer state.
     """
     psi = _num_params(model_or_num_params)
+    phi = _trainable(model_or_num_params) if trainable is None else trainable
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= phi <= psi:
+        raise ValueError(f"trainable must be between 0 and the {psi} parameters, got {phi}")
     param_b, grad_b, optim_b = BYTES[mixed_precision]
     shards = _shards(strategy, world_size)
     figures = {
         "params": psi * param_b / shards["params"],
-        "grads": psi * grad_b / shards["grads"],
-        "optimizer": psi * optim_b / shards["optimizer"],
+        "grads": phi * grad_b / shards["grads"],
+        "optimizer": phi * optim_b / shards["optimizer"],
     }
     figures["total"] = sum(figures.values())
     return figures
 
 
-def _num_params(value: Any) -> int:
-    if isinstance(value, int):
+def _num_params(value: Any) -> float:
+    if isinstance(value, int | float) and not isinstance(value, bool):
         return value
     if hasattr(value, "parameters"):
         return sum(p.numel() for p in value.parameters())
     raise TypeError(f"give a model or a parameter count, got {type(value).__name__}")
+
+
+def _trainable(value: Any) -> float:
+    """A model's parameters with ``requires_grad``; all of a count."""
+    if hasattr(value, "parameters"):
+        return sum(p.numel() for p in value.parameters() if p.requires_grad)
+    return _num_params(value)
 
 
 def _shards(strategy: Any, world_size: int) -> dict[str, int]:

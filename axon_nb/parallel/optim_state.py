@@ -2,10 +2,11 @@
 
 ``torch.optim`` keys state by a parameter's position in the optimizer; positions differ
 between layouts (a ZeRO-2 bucket shard, a pipeline rank's stages), names do not. Every layout
-converts through these two functions, so a checkpoint of one loads into any other::
+converts through these functions, so a checkpoint of one loads into any other, with each
+parameter group's own settings (learning rate, weight decay)::
 
     named = by_name(optimizer.state_dict(), names)          # {"state": {name: {...}}, ...}
-    optimizer.load_state_dict(by_index(named, names))
+    optimizer.load_state_dict(by_index(named, group_names))
 """
 
 from __future__ import annotations
@@ -25,26 +26,67 @@ def by_name(state_dict: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def by_index(named: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """A state dict for an optimizer over parameters ``names`` (in that order), from one keyed
-    by name; names it does not hold are dropped (another rank's pipeline stages)."""
-    position = {name: i for i, name in enumerate(names)}
+def by_index(named: dict[str, Any], groups: Sequence[Sequence[str]]) -> dict[str, Any]:
+    """A state dict for an optimizer whose parameter groups hold the parameters named
+    ``groups`` (in the optimizer's order), from one keyed by name; state of parameters it does
+    not hold is dropped (another rank's pipeline stages). Each group keeps its saved settings.
+    ``ValueError`` when the saved groups hold other parameters than these."""
+    check_same_groups(named["param_groups"], groups)
+    position = {name: i for i, name in enumerate(n for group in groups for n in group)}
     return {
         "state": {position[n]: dict(v) for n, v in named["state"].items() if n in position},
         "param_groups": [
-            {**group, "params": [position[n] for n in group["params"] if n in position]}
-            for group in named["param_groups"]
+            {**settings(saved), "params": [position[n] for n in mine]}
+            for saved, mine in zip(named["param_groups"], groups, strict=True)
         ],
     }
 
 
-def single_group(named: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
-    """``named`` with its one parameter group listing ``names`` (for layouts whose optimizer
-    sees other parameters than the model's, such as ZeRO-2's bucket shards)."""
-    if len(named["param_groups"]) != 1:
-        raise NotImplementedError(
-            "checkpoints of this layout support one optimizer parameter group; this optimizer "
-            f"has {len(named['param_groups'])}"
+def settings(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's settings, without its parameters."""
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def check_same_groups(saved: Sequence[dict[str, Any]], groups: Sequence[Sequence[str]]) -> None:
+    """``ValueError`` unless group i of ``saved`` holds, of the parameters named in ``groups``,
+    exactly those of group i (a pipeline rank holds only some of each group)."""
+    problem = groups_problem([g["params"] for g in saved], groups)
+    if problem is not None:
+        raise ValueError(
+            f"the saved optimizer groups its parameters differently from this run ({problem}); "
+            f"{SAME_GROUPS}"
         )
-    group = {k: v for k, v in named["param_groups"][0].items() if k != "params"}
-    return {"state": named["state"], "param_groups": [{**group, "params": list(names)}]}
+
+
+SAME_GROUPS = (
+    "build the run with the same param_groups= and no_decay= (and the same frozen parameters) "
+    "as the run that saved it"
+)
+
+
+def groups_problem(
+    saved: Sequence[Sequence[str]], groups: Sequence[Sequence[str]], *, some: bool = True
+) -> str | None:
+    """How the saved groups' parameter names differ from ``groups``', or None where they do
+    not; ``some``: ``groups`` name only some of the parameters (a pipeline rank's), compare
+    those."""
+    held = {n for group in groups for n in group}
+    if len(saved) != len(groups):
+        return f"it has {len(saved)} parameter group(s), this run {len(groups)}"
+    for index, (theirs, mine) in enumerate(zip(saved, groups, strict=True)):
+        differ = sorted((set(theirs) & held if some else set(theirs)) ^ set(mine))
+        if differ:
+            where = "there" if differ[0] in theirs else "here"
+            return f"{differ[0]!r} is in its group {index} only {where}"
+    return None
+
+
+def merge_groups(per_rank: Sequence[Sequence[dict[str, Any]]], order: Sequence[str]) -> list:
+    """Each group's parameters over every rank's groups (by name, as :func:`by_name` gives
+    them; the same groups, in the same order, on every rank), listed in ``order``."""
+    rank = {name: i for i, name in enumerate(order)}
+    merged = []
+    for index, group in enumerate(per_rank[0]):
+        names = {n for groups in per_rank for n in groups[index]["params"]}
+        merged.append({**settings(group), "params": sorted(names, key=rank.__getitem__)})
+    return merged

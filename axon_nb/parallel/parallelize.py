@@ -8,6 +8,11 @@ The order, and why::
     4. pipeline split         keeps this rank's stages, frees the other layers
     5. data parallel          FSDP | DDP | ZeRO-1 | ZeRO-2 over the data-parallel axes, per stage
 
+A model built with its parameters on the meta device (``axon_nb.pretrained``) gets its
+weights in step 5, part by part (``materialize``): after FSDP shards a part, so each rank
+reads only its shards; before DDP or ZeRO wrap one, since they broadcast and bucket real
+tensors.
+
 The result, :class:`ParallelModel`, answers everything the training loop and checkpoints ask
 of a layout (no_sync, the optimizer, clipping, full and sharded state), in one place.
 
@@ -40,6 +45,7 @@ from axon_nb.parallel.compile import apply_compile
 from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
+from axon_nb.parallel.param_groups import GroupPlan, check_built, check_settings, plan_groups
 from axon_nb.parallel.pipeline import PipelinedModel
 from axon_nb.parallel.tensor import apply_tp
 from axon_nb.parallel.zero2 import GradShardedModel
@@ -54,9 +60,16 @@ def parallelize(
     device: torch.device,
     *,
     compile: bool = False,
+    groups: GroupPlan | None = None,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModel:
     """Apply ``config`` to ``model`` (already on ``device``) over the mesh of ``dims``;
-    ``compile``: ``torch.compile`` its blocks first (``axon_nb.parallel.compile``)."""
+    ``compile``: ``torch.compile`` its blocks first (``axon_nb.parallel.compile``);
+    ``groups``: the optimizer's parameter groups (default: every trainable parameter in
+    one), which ZeRO-2 buckets by; ``materialize``: for a model whose parameters are on the
+    meta device, ``part -> None`` makes a part's parameters real and fills them
+    (``axon_nb.rank.training.meta_init.loader``)."""
+    groups = groups if groups is not None else plan_groups(model)
     mesh = dims.mesh(device.type) if dist.is_initialized() else None
     dp_group = dims.dp_mesh(device.type).get_group() if mesh is not None else None
     coords = dims.coords(dist.get_rank() if dist.is_initialized() else 0)
@@ -66,14 +79,22 @@ def parallelize(
             model, coords["pp"], dims.pp, config.pipeline or PipelineConfig()
         )
     if dims.tp > 1:
-        owned = pipeline.owned_module_names(model, bounds, mine) if piped else None
+        split = config.pipeline.split if config.pipeline is not None else None
+        owned = pipeline.owned_module_names(model, bounds, mine, split) if piped else None
         apply_tp(model, mesh["tp"], config.tensor or TensorConfig(), owned)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing)
     if compile:
         apply_compile(model)
-    parts = pipeline.cut_stages(model, bounds, mine) if piped else [model]
-    parts = [_data_parallel(part, dims, config, mesh, dp_group, device) for part in parts]
+    if piped:
+        split = config.pipeline.split if config.pipeline is not None else None
+        parts = pipeline.cut_stages(model, bounds, mine, split)
+    else:
+        parts = [model]
+    parts = [
+        _data_parallel(part, dims, config, mesh, dp_group, device, groups, materialize)
+        for part in parts
+    ]
     if piped:
         trained: nn.Module = PipelinedModel(
             model,
@@ -87,7 +108,13 @@ def parallelize(
     else:
         trained = parts[0]
     return ParallelModel(
-        model=trained, root=model, dims=dims, config=config, mesh=mesh, dp_group=dp_group
+        model=trained,
+        root=model,
+        dims=dims,
+        config=config,
+        mesh=mesh,
+        dp_group=dp_group,
+        groups=groups,
     )
 
 
@@ -98,15 +125,39 @@ def _data_parallel(
     mesh: Any,
     dp_group: Any,
     device: torch.device,
+    groups: GroupPlan,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
-    """Step 5: ``part`` replicated or sharded over the data-parallel ranks."""
+    """Step 5: ``part`` replicated or sharded over the data-parallel ranks (and its meta
+    parameters made real by ``materialize``: before replication, after sharding)."""
+    sharded = config.data_parallel == "fsdp"
+    if materialize is not None and not sharded:
+        materialize(part)
+    part = _replicate_or_shard(part, dims, config, mesh, dp_group, device, groups)
+    if materialize is not None and sharded:
+        materialize(part)
+    return part
+
+
+def _replicate_or_shard(
+    part: nn.Module,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    mesh: Any,
+    dp_group: Any,
+    device: torch.device,
+    groups: GroupPlan,
+) -> nn.Module:
     kind = config.data_parallel
     if kind in ("ddp", "zero1"):
         assert config.ddp is not None
         local_sgd = config.local_sgd if kind == "ddp" else None
         return apply_ddp(part, dp_group, device, config.ddp, local_sgd)
     if kind == "zero2":
-        return GradShardedModel(part, dp_group, bucket_cap_mb=config.bucket_cap_mb)
+        by_group = [g["params"] for g in groups.groups(part.named_parameters())]
+        return GradShardedModel(
+            part, dp_group, bucket_cap_mb=config.bucket_cap_mb, param_groups=by_group
+        )
     if kind == "fsdp":
         assert config.fsdp is not None
         # Hybrid sharding: shard within dp_shard, replicate across dp_replicate (2-D mesh).
@@ -130,6 +181,8 @@ class ParallelModel:
     """The ``DeviceMesh`` over all ranks, or None without a process group."""
     dp_group: Any
     """The process group of this rank's data-parallel ranks (None without a process group)."""
+    groups: GroupPlan
+    """The optimizer's parameter groups, by parameter name (trainable parameters only)."""
 
     @property
     def pipeline(self) -> PipelinedModel | None:
@@ -156,22 +209,20 @@ class ParallelModel:
             self.model.finish_backward()
 
     def build_optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
-        """The optimizer over this rank's parameters (sharded for ZeRO-1 and ZeRO-2)."""
-        if self.data_parallel in ("zero1", "zero2"):
+        """The optimizer over this rank's trainable parameters in the run's groups (sharded
+        for ZeRO-1 and ZeRO-2), by name or by the user's callable, which must keep them."""
+        if isinstance(self.model, GradShardedModel):
+            optimizer = self.model.build_optimizer(factory, self.groups.options)
+        elif self.data_parallel == "zero1":
+            optimizer = zero1.build_optimizer(self._param_groups(), factory, self.dp_group)
+        else:
+            groups = self._param_groups()
+            optimizer = factory(groups)
             if factory.cls is None:
-                stage = self.data_parallel[-1]
-                raise ValueError(
-                    f"ZeRO stage {stage} shards a named optimizer: pass "
-                    "optimizer=('adamw', {...}), not a callable"
-                )
-            if isinstance(self.model, GradShardedModel):
-                return self.model.build_optimizer(factory.cls, **factory.kwargs)
-            return zero1.build_optimizer(
-                self.model.parameters(), factory.cls, factory.kwargs, self.dp_group
-            )
-        optimizer = factory(self.model.parameters())
-        if self.config.local_sgd is not None and self.data_parallel == "ddp":
-            return local_sgd_optimizer(optimizer, self.dp_group, self.config.local_sgd)
+                check_built(optimizer, groups, keep_groups=False)
+            if self.config.local_sgd is not None and self.data_parallel == "ddp":
+                optimizer = local_sgd_optimizer(optimizer, self.dp_group, self.config.local_sgd)
+        check_settings(self.groups, optimizer)
         return optimizer
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -245,13 +296,20 @@ class ParallelModel:
         """Layout-specific figures of this step for the metrics stream (pipeline timing)."""
         return dict(self.pipeline.last_step) if self.pipeline is not None else {}
 
-    def _names(self) -> list[str]:
-        return list(parameter_names(self.root).values())
+    def _param_groups(self) -> list[dict[str, Any]]:
+        """The run's parameter groups over the parameters this rank trains."""
+        names = parameter_names(self.root)
+        return self.groups.groups((names[id(p)], p) for p in self.model.parameters())
+
+    def _group_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        names = parameter_names(self.root)
+        return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
 
     def _zero_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if isinstance(self.model, GradShardedModel):
             return self.model.full_optimizer_state(optimizer, parameter_names(self.root))
-        return zero1.full_optimizer_state(optimizer, self._names(), self.dp_group)  # type: ignore[arg-type]
+        names = [n for group in self._group_names(optimizer) for n in group]
+        return zero1.full_optimizer_state(optimizer, names, self.dp_group)  # type: ignore[arg-type]
 
     def _load_zero_optimizer_state(
         self, optimizer: torch.optim.Optimizer, named: dict[str, Any]
@@ -259,16 +317,17 @@ class ParallelModel:
         if isinstance(self.model, GradShardedModel):
             self.model.load_full_optimizer_state(optimizer, named, parameter_names(self.root))
             return
-        zero1.load_optimizer_state(optimizer, named, self._names())  # type: ignore[arg-type]
+        zero1.load_optimizer_state(optimizer, named, self._group_names(optimizer))  # type: ignore[arg-type]
 
 
 class OptimizerFactory:
-    """Builds a run's optimizer; ``cls`` and ``kwargs`` are known for named optimizers
-    (ZeRO-1/2 need them to shard it), None and empty for a user's callable.
+    """Builds a run's optimizer over parameter groups; ``cls`` and ``kwargs`` are known for
+    named optimizers, None and empty for a user's callable (``make``), which gets a plain
+    list of parameters when there is one group with no settings of its own, else the groups.
 
     Example::
 
-        OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3})(model.parameters())
+        OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3})([{"params": list(model.parameters())}])
     """
 
     def __init__(
@@ -281,11 +340,12 @@ class OptimizerFactory:
         self.kwargs = dict(kwargs or {})
         self._make = make
 
-    def __call__(self, params: Any) -> torch.optim.Optimizer:
+    def __call__(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         if self._make is not None:
-            return self._make(params)
+            plain = len(groups) == 1 and set(groups[0]) == {"params"} and groups[0]["params"]
+            return self._make(list(groups[0]["params"]) if plain else groups)
         assert self.cls is not None
-        return self.cls(params, **self.kwargs)
+        return self.cls(groups, **self.kwargs)
 
 
 @contextlib.contextmanager

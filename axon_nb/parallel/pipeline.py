@@ -1,8 +1,9 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: cutting a model into stages,
 building a stage's schedule, and timing it.
 
-A model is cut along its layers: the children of an ``nn.Sequential``, or what a model's
-``pipeline_layers()`` returns (``axon_nb.models.GPT``: embedding, each block, head). Stage s
+A model is cut along its layers: the children of an ``nn.Sequential``, what a model's
+``pipeline_layers()`` returns (``axon_nb.models.GPT``: embedding, each block, head), or the
+modules of a transformers model's pipeline plan or of ``split`` (``pipeline_plan.py``). Stage s
 holds layers ``starts[s] .. starts[s+1]``. With ``v`` virtual stages per rank (interleaved
 schedules), pipeline rank r holds stages ``r, r + pp, r + 2pp, ...``. A rank keeps only its
 stages' parameters; the rest of the model is moved to the meta device.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -26,22 +27,25 @@ from torch.distributed.pipelining import (
 )
 
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
-from axon_nb.parallel.optim_state import by_index, by_name, single_group
+from axon_nb.parallel.optim_state import by_index, by_name, merge_groups
+from axon_nb.parallel.pipeline_plan import cannot_cut, first_input_name, has_plan, plan_layers
 from axon_nb.spec.parallel_config import PipelineConfig
 from axon_nb.spec.pipeline_stages import balanced_starts, check_starts
 
 
-def pipeline_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers a pipeline can cut ``model`` into, in forward order."""
+def pipeline_layers(model: nn.Module, split: Sequence[str] | None = None) -> list[nn.Module]:
+    """The layers a pipeline can cut ``model`` into, in forward order: the modules named in
+    ``split``, an ``nn.Sequential``'s children, its ``pipeline_layers()``, or its own plan."""
+    if split is not None:
+        return plan_layers(model, split)
     if isinstance(model, nn.Sequential):
         return list(model)
     layers = getattr(model, "pipeline_layers", None)
     if callable(layers):
         return list(layers())
-    raise TypeError(
-        f"Pipeline cuts an nn.Sequential, or a model with a pipeline_layers() method returning "
-        f"its layers in forward order (axon_nb.models.GPT has one); got {type(model).__name__}"
-    )
+    if has_plan(model):
+        return plan_layers(model)
+    raise TypeError(cannot_cut(model))
 
 
 def plan_stages(
@@ -49,7 +53,7 @@ def plan_stages(
 ) -> tuple[list[int], list[int]]:
     """``(bounds, mine)``: stage s holds layers ``bounds[s] .. bounds[s+1]``, and pipeline rank
     ``pp_index`` runs stages ``mine``. Nothing is changed yet."""
-    layers = pipeline_layers(model)
+    layers = pipeline_layers(model, config.split)
     num_stages = pp_size * config.virtual_stages
     if config.split_points is not None:
         starts = check_starts(config.split_points, len(layers), num_stages)
@@ -61,18 +65,22 @@ def plan_stages(
     return [*starts, len(layers)], mine
 
 
-def owned_module_names(model: nn.Module, bounds: list[int], mine: list[int]) -> set[str]:
+def owned_module_names(
+    model: nn.Module, bounds: list[int], mine: list[int], split: Sequence[str] | None = None
+) -> set[str]:
     """Names of the modules inside this rank's stages."""
-    layers = pipeline_layers(model)
+    layers = pipeline_layers(model, split)
     kept = [layers[i] for s in mine for i in range(bounds[s], bounds[s + 1])]
     inside = {id(m) for layer in kept for m in layer.modules()}
     return {name for name, m in model.named_modules() if id(m) in inside}
 
 
-def cut_stages(model: nn.Module, bounds: list[int], mine: list[int]) -> list[nn.Module]:
+def cut_stages(
+    model: nn.Module, bounds: list[int], mine: list[int], split: Sequence[str] | None = None
+) -> list[nn.Module]:
     """This rank's stages as ``nn.Sequential``s of the model's layers; every other layer is
     moved to the meta device (its parameters are freed here)."""
-    layers = pipeline_layers(model)
+    layers = pipeline_layers(model, split)
     owned = {i for s in mine for i in range(bounds[s], bounds[s + 1])}
     for i, layer in enumerate(layers):
         if i not in owned:
@@ -120,6 +128,10 @@ class PipelinedModel(nn.Module):
         self.last_step: dict[str, float] = {}
         """Stage timing of the latest step: forward_s, backward_s and the bubble share."""
         self._micro: MicroStep | None = None
+        self._input_key = first_input_name(root)
+        """A Mapping batch's key the first stage reads (``input_ids``)."""
+        self._own_loss = getattr(root, "loss_function", None)
+        """A transformers model's loss on (logits, labels), for ``loss=None``."""
         self._loss_scale = 1.0
         self.schedule = self._build_schedule(config.schedule, device)
 
@@ -131,7 +143,7 @@ class PipelinedModel(nn.Module):
         before = (self.forward_s, self.backward_s)
         started = time.perf_counter()
         losses: list[torch.Tensor] = []
-        for inputs, target in microbatches:
+        for inputs, target in map(self._pair, microbatches):
             args = (inputs,) if self.has_first else ()
             step_losses: list[torch.Tensor] = []  # the schedule's, one per micro-batch
             with micro.autocast():
@@ -153,12 +165,35 @@ class PipelinedModel(nn.Module):
             return torch.zeros((), device=next(self.parameters()).device)
         return torch.stack(losses).sum()
 
+    def _pair(self, batch: Any) -> tuple[Any, Any]:
+        """A micro-batch as (what the first stage reads, what the loss compares with): an
+        (input, target) pair as it is; a Mapping as its input ids and ``labels``."""
+        if not isinstance(batch, Mapping):
+            if not (isinstance(batch, tuple | list) and len(batch) == 2):
+                raise TypeError(
+                    "a pipeline trains on (input, target) pairs or Mappings with input_ids and "
+                    f"labels; a batch came as {type(batch).__name__}"
+                )
+            if self._micro is not None and self._micro.loss_fn is None:
+                raise ValueError(
+                    "a pipeline computes the loss on its last stage: pass loss=loss(output, "
+                    "target) (for axon_nb.models.GPT: loss=axon_nb.models.lm_loss), or give "
+                    "a transformers model Mapping batches with labels (loss=None)"
+                )
+            return batch[0], batch[1]
+        return mapping_pair(batch, self._input_key, self._own_loss is not None)
+
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The user's loss of one micro-batch, scaled so that gradients sum to the step mean
-        (and by the fp16 loss scale, when there is one)."""
-        assert self._micro is not None and self._micro.loss_fn is not None
-        loss = self._micro.loss_fn(output, target).float() * self._loss_scale
-        return self._micro.scale(loss)
+        """The micro-batch's loss (the user's, or the model's own on its labels), scaled so
+        that gradients sum to the step mean (and by the fp16 loss scale, when there is one)."""
+        assert self._micro is not None
+        if self._micro.loss_fn is not None:
+            loss = self._micro.loss_fn(output, target)
+        else:
+            assert self._own_loss is not None
+            vocab = getattr(getattr(self.root, "config", None), "vocab_size", output.shape[-1])
+            loss = self._own_loss(logits=output, labels=target, vocab_size=vocab)
+        return self._micro.scale(loss.float() * self._loss_scale)
 
     def _build_schedule(self, name: str, device: torch.device) -> Any:
         stages = [
@@ -183,11 +218,43 @@ class PipelinedModel(nn.Module):
         )
 
 
+def mapping_pair(batch: Mapping[str, Any], input_key: str, own_loss: bool) -> tuple[Any, Any]:
+    """``(batch[input_key], batch["labels"])`` of a Mapping micro-batch, refusing what stages
+    cannot carry: keys other than those and an attention mask, and padding on the left (a
+    right-padded causal batch's real tokens never see its padding, so no mask is needed)."""
+    if "labels" not in batch or input_key not in batch:
+        raise ValueError(
+            f"a pipeline reads {input_key!r} on its first stage and 'labels' on its last; the "
+            f"batch has keys {sorted(map(str, batch))}"
+        )
+    if not own_loss:
+        raise ValueError(
+            "Mapping batches under a pipeline train with the model's own loss, which only "
+            "transformers models (with a loss_function) have; pass (input, target) pairs and "
+            "loss=loss(output, target)"
+        )
+    extra = sorted(set(map(str, batch)) - {input_key, "labels", "attention_mask"})
+    if extra:
+        raise ValueError(
+            f"pipeline stages pass one tensor on, so a batch can hold only {input_key!r}, "
+            f"'labels' and a right-padded 'attention_mask'; it also has {extra}: drop them "
+            "(e.g. with remove_columns, or a collate_fn)"
+        )
+    mask = batch.get("attention_mask")
+    left = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1
+    if left and bool((mask[:, 1:] > mask[:, :-1]).any()):
+        raise ValueError(
+            "a pipeline passes no attention mask between stages, so padding must come "
+            "after the tokens: set tokenizer.padding_side = 'right' (padded labels -100)"
+        )
+    return batch[input_key], batch["labels"]
+
+
 class MicroStep(Protocol):
     """What a pipeline step needs from the training loop."""
 
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
-    """The user's ``loss(output, target)``."""
+    """The user's ``loss(output, target)``; None: the model's own (Mapping batches)."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's autocast context (a no-op without mixed precision)."""
@@ -242,8 +309,9 @@ def gather_optimizer_state(
     names = parameter_names(model.root)
     local = by_name(optimizer.state_dict(), [names[id(p)] for p in _optimizer_params(optimizer)])
     mine = {n: {k: _full(v) for k, v in entry.items()} for n, entry in local["state"].items()}
-    everyone = {"state": _merge_over_ranks(mine), "param_groups": local["param_groups"]}
-    return single_group(everyone, list(names.values()))
+    groups = _all_ranks(local["param_groups"])  # every rank holds some of each group
+    order = list(names.values())
+    return {"state": _merge_over_ranks(mine), "param_groups": merge_groups(groups, order)}
 
 
 def load_full_state(
@@ -260,7 +328,8 @@ def load_full_state(
         return
     names = parameter_names(model.root)
     params = _optimizer_params(optimizer)
-    local = by_index(state["optimizer"], [names[id(p)] for p in params])
+    groups = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    local = by_index(state["optimizer"], groups)
     local["state"] = {
         i: {k: _like(params[i], v) if _is_per_element(params[i], v) else v for k, v in e.items()}
         for i, e in local["state"].items()
@@ -274,14 +343,19 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _merge_over_ranks(mine: dict[str, Any]) -> dict[str, Any]:
     """The union of every rank's ``mine`` (a collective), on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return dict(mine)
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
     merged: dict[str, Any] = {}
-    for part in everyone:
+    for part in _all_ranks(mine):
         merged.update(part)
     return merged
+
+
+def _all_ranks(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order (a collective), on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
 
 
 def _full(value: Any) -> Any:

@@ -16,26 +16,31 @@ is built here from ``torch.distributed`` collectives:
   its ``.grad``. After each optimizer step every bucket is all-gathered from the slices.
 
 Like DDP without ``find_unused_parameters``, every rank must use the same parameters in a step.
-Optimizers must act elementwise (SGD, Adam, AdamW, ...): a bucket slice mixes parameters.
+Optimizers must act elementwise (SGD, Adam, AdamW, ...): a bucket slice mixes parameters. A
+bucket holds parameters of one optimizer parameter group only, so each group keeps its own
+settings (``train(param_groups=...)``); frozen parameters are in no bucket.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from axon_nb.parallel.optim_state import single_group
+from axon_nb.parallel.optim_state import by_index, settings
+from axon_nb.parallel.param_groups import check_built
 
 
 class _Bucket:
     """Flat storage for some parameters, and this rank's slice of it."""
 
-    def __init__(self, params: list[nn.Parameter], rank: int, world_size: int) -> None:
+    def __init__(
+        self, params: list[nn.Parameter], rank: int, world_size: int, group: int = 0
+    ) -> None:
         numel = sum(p.numel() for p in params)
         self.size = -(-numel // world_size) * world_size
         first = params[0]
@@ -52,6 +57,8 @@ class _Bucket:
         self.slice = slice(rank * width, (rank + 1) * width)
         self.shard = nn.Parameter(self.flat[self.slice])  # shares the bucket's storage
         self.ready = 0
+        self.group = group
+        """The optimizer parameter group of its parameters."""
 
 
 class GradShardedModel(nn.Module):
@@ -60,17 +67,31 @@ class GradShardedModel(nn.Module):
     Example (what ``ZeRO(stage=2)`` does on each rank)::
 
         model = GradShardedModel(net, group, bucket_cap_mb=25)
-        optimizer = model.build_optimizer(torch.optim.AdamW, lr=1e-3)
+        optimizer = model.build_optimizer(OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3}))
     """
 
-    def __init__(self, module: nn.Module, group: Any, *, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Any,
+        *,
+        bucket_cap_mb: float = 25.0,
+        param_groups: list[list[nn.Parameter]] | None = None,
+    ) -> None:
         super().__init__()
         self.module = module
         self.group = group
         """The data-parallel ranks the gradients and optimizer state are sharded over."""
         self.world_size = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        self.buckets = _pack(module, rank, self.world_size, int(bucket_cap_mb * 2**20))
+        if param_groups is None:
+            param_groups = [[p for p in module.parameters() if p.requires_grad]]
+        cap = int(bucket_cap_mb * 2**20)
+        self.buckets = [
+            bucket
+            for index, params in enumerate(param_groups)
+            for bucket in _pack(params, rank, self.world_size, cap, index)
+        ]
         self.require_sync = True
         self._pending: list[tuple[Any, torch.Tensor, _Bucket]] = []
         self._reduced: set[int] = set()
@@ -81,9 +102,19 @@ class GradShardedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
-    def build_optimizer(self, cls: type[torch.optim.Optimizer], **kwargs: Any) -> Any:
-        """An optimizer of ``cls`` over this rank's slices; each step ends in an all-gather."""
-        optimizer = cls([b.shard for b in self.buckets], **kwargs)
+    def build_optimizer(
+        self, factory: Any, options: Sequence[dict[str, Any]] = ({},)
+    ) -> torch.optim.Optimizer:
+        """The optimizer over this rank's slices, one parameter group per group of parameters
+        (``options``: each group's settings), built by ``factory`` (a named optimizer or the
+        user's callable); each step ends in an all-gather."""
+        groups = [
+            {"params": [b.shard for b in self.buckets if b.group == index], **settings}
+            for index, settings in enumerate(options)
+        ]
+        optimizer = factory(groups)
+        if factory.cls is None:
+            check_built(optimizer, groups, keep_groups=True)
         optimizer.register_step_post_hook(lambda *_: self.gather())
         return optimizer
 
@@ -163,8 +194,14 @@ class GradShardedModel(nn.Module):
                 else:  # step counters and other per-tensor scalars
                     for p in bucket.params:
                         state.setdefault(names[id(p)], {})[key] = _copy(value)
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        return single_group({"state": state, "param_groups": groups}, sorted(names.values()))
+        groups = [
+            {**settings(group), "params": self._group_names(index, names)}
+            for index, group in enumerate(optimizer.param_groups)
+        ]
+        return {"state": state, "param_groups": groups}
+
+    def _group_names(self, index: int, names: dict[int, str]) -> list[str]:
+        return [names[id(p)] for b in self.buckets if b.group == index for p in b.params]
 
     def load_full_optimizer_state(
         self, optimizer: torch.optim.Optimizer, full: dict[str, Any], names: dict[int, str]
@@ -183,25 +220,38 @@ class GradShardedModel(nn.Module):
                     local.setdefault(index, {})[key] = flat[bucket.slice].clone()
                 else:
                     local.setdefault(index, {})[key] = _copy(value)
-        group = {k: v for k, v in full["param_groups"][0].items() if k != "params"}
-        params = list(range(len(self.buckets)))
-        optimizer.load_state_dict({"state": local, "param_groups": [{**group, "params": params}]})
+        groups = [self._group_names(i, names) for i in range(len(optimizer.param_groups))]
+        saved = by_index(full, groups)["param_groups"]  # (checks they hold the same parameters)
+        # buckets are made group after group: bucket i is the optimizer's i-th parameter
+        owned = [[i for i, b in enumerate(self.buckets) if b.group == g] for g in range(len(saved))]
+        optimizer.load_state_dict(
+            {
+                "state": local,
+                "param_groups": [
+                    {**settings(group), "params": params}
+                    for group, params in zip(saved, owned, strict=True)
+                ],
+            }
+        )
 
 
-def _pack(module: nn.Module, rank: int, world_size: int, cap_bytes: int) -> list[_Bucket]:
-    """Buckets of trainable parameters, last registered first, one dtype and device each."""
+def _pack(
+    params: list[nn.Parameter], rank: int, world_size: int, cap_bytes: int, group: int
+) -> list[_Bucket]:
+    """Buckets of ``params`` (one optimizer group's trainable parameters), last registered
+    first, one dtype and device each."""
     buckets: list[_Bucket] = []
-    group: list[nn.Parameter] = []
+    members: list[nn.Parameter] = []
     size = 0
-    for p in reversed([p for p in module.parameters() if p.requires_grad]):
-        same_kind = not group or (p.dtype, p.device) == (group[0].dtype, group[0].device)
-        if group and (size + p.numel() * p.element_size() > cap_bytes or not same_kind):
-            buckets.append(_Bucket(group, rank, world_size))
-            group, size = [], 0
-        group.append(p)
+    for p in reversed(params):
+        same_kind = not members or (p.dtype, p.device) == (members[0].dtype, members[0].device)
+        if members and (size + p.numel() * p.element_size() > cap_bytes or not same_kind):
+            buckets.append(_Bucket(members, rank, world_size, group))
+            members, size = [], 0
+        members.append(p)
         size += p.numel() * p.element_size()
-    if group:
-        buckets.append(_Bucket(group, rank, world_size))
+    if members:
+        buckets.append(_Bucket(members, rank, world_size, group))
     return buckets
 
 

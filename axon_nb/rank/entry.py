@@ -196,3 +196,36 @@ def save_pretrained(name: str, partial: str) -> int:
         from axon_nb.rank.checkpoint import hf_export
 
         return hf_export.save_pretrained(name, partial)
+
+
+# -- notebook datasets held once per host (rank/data/shared_tensors.py) ---------------------
+
+
+def shared_write(pieces: list[tuple[str, int, int, Any]]) -> dict[str, str]:
+    """(One rank per host) write pieces ``(key, nbytes, offset, chunk)`` of tensors' shared
+    copies; the paths of the files created, by key."""
+    from axon_nb.rank.data import shared_tensors
+
+    return shared_tensors.write(pieces)
+
+
+def shared_map(copies: dict[str, list[tuple[Any, str]]]) -> None:
+    """Map each copy ``(SharedTensor, path)`` written on this rank's host (``copies`` by
+    host) and hold it by key."""
+    from axon_nb.rank.data import shared_tensors
+
+    shared_tensors.map_files(copies)
+
+
+def shared_unlink(keys: list[str]) -> None:
+    """(The writing rank) remove the files of tensors ``keys``; the mappings live on."""
+    from axon_nb.rank.data import shared_tensors
+
+    shared_tensors.unlink(keys)
+
+
+def shared_held(keys: list[str], drop: list[str]) -> list[str]:
+    """Drop tensors ``drop``; which of ``keys`` this rank holds."""
+    from axon_nb.rank.data import shared_tensors
+
+    return shared_tensors.held(keys, drop)

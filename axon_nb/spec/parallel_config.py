@@ -133,9 +133,22 @@ class PipelineConfig:
     """Stages per rank (``interleaved_1f1b`` needs at least 2)."""
     split_points: tuple[int, ...] | None = None
     """First layer index of every stage after the first, instead of balancing."""
+    split: tuple[str, ...] | None = None
+    """Module names the model is cut into, in forward order, instead of its own plan (a
+    ``ModuleList`` gives one layer per entry): ``("model.embed_tokens", "model.layers",
+    "model.norm", "lm_head")``."""
 
     def problems(self) -> list[str]:
         errors = []
+        if self.split is not None and (
+            isinstance(self.split, str)
+            or not self.split
+            or not all(isinstance(n, str) and n for n in self.split)
+        ):
+            errors.append(
+                "split must be a tuple of module names in forward order, e.g. ('model."
+                f"embed_tokens', 'model.layers', 'model.norm', 'lm_head'); got {self.split!r}"
+            )
         if self.schedule not in SCHEDULES:
             errors.append(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if not positive(self.microbatches):

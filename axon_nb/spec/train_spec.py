@@ -34,6 +34,9 @@ SCHEDULES = ("constant", "linear", "cosine")
 
 MIXED_PRECISION = (None, "bf16", "fp16")
 
+NO_DECAY = ("bias_and_norm",)
+"""``no_decay=`` values: which parameters train without weight decay."""
+
 RANK_NAMES = ("rank", "world_size", "local_rank", "device")
 """Names every rank predefines in its namespace (``axon_nb.rank.world.bootstrap``)."""
 
@@ -46,7 +49,10 @@ class TrainSpec:
     """One training run, as the ranks receive it."""
 
     model: Any
-    """``nn.Module`` or a zero-argument callable returning one (called on every rank)."""
+    """``nn.Module`` or a zero-argument callable returning one (called on every rank); or
+    ``axon_nb.pretrained(cls, path)``: built with its parameters on the meta device, laid
+    out, and then each rank reads only its own part of the safetensors weights
+    (``axon_nb.spec.pretrained_model``), so a host holds about one copy of them."""
     data: Any
     """``torch.utils.data.Dataset`` of ``(input, target)`` items, or a callable returning one;
     or a dask DataFrame (with ``columns``), a pair of dask Arrays or a Bag (laid out over the
@@ -56,7 +62,18 @@ class TrainSpec:
     columns: tuple[Any, Any] | None = None
     """For a dask DataFrame as ``data``: ``(feature columns, target column or columns)``."""
     optimizer: tuple[str, dict[str, Any]] | Callable[..., Any]
-    """``(name, kwargs)`` for a ``torch.optim`` optimizer, or ``params -> Optimizer``."""
+    """``(name, kwargs)`` for a ``torch.optim`` optimizer, or ``params -> Optimizer`` (given
+    the trainable parameters, or their groups as ``[{"params": [...], **options}, ...]`` with
+    ``param_groups`` or ``no_decay``), under every strategy."""
+    param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None
+    """``(name, parameter) -> options`` for each trainable parameter, e.g. ``{"lr": 1e-4}`` or
+    ``{"weight_decay": 0.0}`` (None or ``{}``: the optimizer's own settings). Parameters with
+    equal options share one optimizer parameter group; names are the user's model's, decided
+    once before any strategy wraps or shards it (``axon_nb.parallel.param_groups``)."""
+    no_decay: str | None = None
+    """``"bias_and_norm"``: no weight decay for biases and the weights of normalisation layers
+    (``LayerNorm``, ``RMSNorm``, ``BatchNorm``, ... by class name), as transformer recipes
+    train; ``param_groups`` options override it. None: every parameter decays alike."""
     loss: Callable[..., Any] | None = None
     """``loss(output, target) -> scalar`` (for Mapping batches ``loss(output, batch)``); None:
     the model's own loss, ``model(input, target)`` for pairs, ``model(**batch).loss`` for
@@ -196,11 +213,6 @@ def check_world(spec: TrainSpec, world_size: int, ranks_per_host: int = 1) -> No
             f"{per_step} so every rank gets equal micro-batches. Use e.g. batch_size={lower} "
             f"or {lower + per_step}"
         )
-    if config.data_parallel in ("zero1", "zero2") and callable(spec.optimizer):
-        raise ValueError(
-            f"ZeRO stage {config.data_parallel[-1]} shards a named optimizer: pass "
-            "optimizer=('adamw', {...}), not a callable"
-        )
     if dims.pp > 1 and config.pipeline is not None:
         _check_pipeline(spec, dims.dp, config.pipeline.microbatches)
 
@@ -211,10 +223,11 @@ def _check_pipeline(spec: TrainSpec, dp: int, microbatches: int) -> None:
             "loss_normalization='tokens' is not available with a pipeline yet (its last stage "
             "computes each micro-batch's loss on its own): use loss_normalization='mean'"
         )
-    if spec.loss is None:
+    if spec.loss is None and _first_item_is_pair(spec.data):
         raise ValueError(
             "a pipeline computes the loss on its last stage: pass loss=loss(output, target) "
-            "(for axon_nb.models.GPT: loss=axon_nb.models.lm_loss)"
+            "(for axon_nb.models.GPT: loss=axon_nb.models.lm_loss), or give a transformers "
+            "model Mapping items with labels (its own loss)"
         )
     micro = spec.batch_size // (dp * spec.grad_accum)
     if micro % microbatches:
@@ -224,6 +237,17 @@ def _check_pipeline(spec: TrainSpec, dp: int, microbatches: int) -> None:
             f"runs per step (batch_size={spec.batch_size} / data-parallel ranks {dp} / "
             f"grad_accum={spec.grad_accum}); use one of {options}"
         )
+
+
+def _first_item_is_pair(data: Any) -> bool:
+    """Whether ``data`` (a dataset object; a callable is not looked into) holds pairs."""
+    if callable(data) or not hasattr(data, "__getitem__"):
+        return False
+    try:
+        item = data[0] if len(data) else None
+    except Exception:  # the ranks will say what is wrong with it
+        return False
+    return isinstance(item, tuple | list) and len(item) == 2
 
 
 def _optimizer(value: Any) -> tuple[str, dict[str, Any]] | Callable[..., Any]:
@@ -250,12 +274,16 @@ def _optimizer(value: Any) -> tuple[str, dict[str, Any]] | Callable[..., Any]:
 def _check(spec: TrainSpec) -> list[str]:
     errors = []
     if spec.model is None and not spec.resume:
-        errors.append("model is required: an nn.Module or a callable returning one")
+        errors.append(
+            "model is required: an nn.Module, a callable returning one, or "
+            "axon_nb.pretrained(cls, path)"
+        )
     if spec.data is None and not spec.resume:
         errors.append("data is required: a Dataset of (input, target) or a callable returning one")
     if spec.loss is not None and not callable(spec.loss):
         errors.append(f"loss must be callable loss(output, target), got {spec.loss!r}")
     errors += _check_first_item(spec)
+    errors += _check_param_groups(spec)
     if spec.loss_normalization not in LOSS_NORMALIZATIONS:
         errors.append(
             f"loss_normalization must be 'mean' or 'tokens' (mean over the labels that are not "
@@ -314,6 +342,64 @@ def _check_first_item(spec: TrainSpec) -> list[str]:
             "labels to each item, or pass loss=fn(output, batch)"
         ]
     return []
+
+
+def _check_param_groups(spec: TrainSpec) -> list[str]:
+    """``param_groups`` and ``no_decay``; with a model object here (not a callable that builds
+    one on the ranks), also what the rule gives each trainable parameter."""
+    errors = []
+    if spec.no_decay is not None and spec.no_decay not in NO_DECAY:
+        errors.append(
+            f"no_decay must be {' or '.join(map(repr, NO_DECAY))} (no weight decay for biases "
+            f"and normalisation weights) or None, got {spec.no_decay!r}"
+        )
+    rule = spec.param_groups
+    if rule is not None and not callable(rule):
+        errors.append(
+            "param_groups must be a callable (name, parameter) -> options such as "
+            f"{{'weight_decay': 0.0}} (or None), got {rule!r}"
+        )
+        return errors
+    named = getattr(spec.model, "named_parameters", None)
+    if not callable(named) or isinstance(spec.model, type):  # built on the ranks: checked there
+        return errors
+    trainable = [(n, p) for n, p in named() if getattr(p, "requires_grad", True)]
+    if not trainable:
+        errors.append(
+            "every parameter of the model has requires_grad=False: there is nothing to train; "
+            "unfreeze some (e.g. peft's get_peft_model adds trainable adapters)"
+        )
+    for name, param in trainable if rule is not None else []:
+        problem = group_options_problem(name, rule, param)
+        if problem:
+            return [*errors, problem]
+    return errors
+
+
+def group_options_problem(name: str, rule: Callable[..., Any], param: Any) -> str | None:
+    """Why ``rule(name, param)`` is not a parameter's group options, or None if it is: a
+    Mapping (or None) of optimizer settings by name, without ``params``::
+
+        group_options_problem("head.bias", lambda n, p: {"weight_decay": 0.0}, p)  # None
+    """
+    try:
+        options = rule(name, param)
+    except Exception as e:
+        return f"param_groups raised {type(e).__name__}: {e} for the parameter {name!r}"
+    if options is None:
+        return None
+    if not isinstance(options, Mapping):
+        return (
+            f"param_groups must return a dict of optimizer settings (or None) for each "
+            f"parameter; for {name!r} it returned {type(options).__name__} {options!r}"
+        )
+    keys = [k for k in options if not isinstance(k, str) or k == "params"]
+    if keys:
+        return (
+            f"param_groups returned {keys} for {name!r}: give optimizer settings by name "
+            "(e.g. {'lr': 1e-4, 'weight_decay': 0.0}); the parameters are grouped for you"
+        )
+    return None
 
 
 LOADER_OPTIONS = (

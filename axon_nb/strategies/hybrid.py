@@ -73,6 +73,8 @@ class Hybrid(Strategy):
     """Pipeline stages per rank."""
     split_points: tuple[int, ...] | None = None
     """First layer index of every pipeline stage after the first."""
+    split: tuple[str, ...] | None = None
+    """Module names to cut the model into for the pipeline (see :class:`Pipeline`)."""
 
     def problems(self) -> list[str]:
         errors = Strategy.problems(self)
@@ -149,4 +151,5 @@ class Hybrid(Strategy):
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             split_points=self.split_points,
+            split=tuple(self.split) if isinstance(self.split, list) else self.split,
         )

@@ -18,12 +18,14 @@ class Pipeline(Strategy):
     - ``schedule``: ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward,
       one backward: fewer activations alive) or ``"interleaved_1f1b"`` (``virtual_stages``
       stages per rank, a smaller bubble).
-    - Stages are cut from an ``nn.Sequential``'s children or a model's ``pipeline_layers()``,
-      balanced by parameter count, or at ``split_points`` (the first layer of each stage after
-      the first). For explicit stage modules, pass ``nn.Sequential(stage0, stage1, ...)`` with
-      one stage per child.
-    - The loss (``loss=`` of ``train``, required) is computed on the last stage; the global loss
-      is its mean. Each rank holds only its stages' parameters.
+    - Stages are cut from an ``nn.Sequential``'s children, a model's ``pipeline_layers()``, a
+      transformers model's own pipeline plan (``base_model_pp_plan``: embeddings, each
+      decoder layer, norm, head) or the module names in ``split``; balanced by parameter
+      count, or at ``split_points`` (the first layer of each stage after the first). For
+      explicit stage modules, pass ``nn.Sequential(stage0, stage1, ...)``, one stage a child.
+    - The loss is computed on the last stage (``loss=`` of ``train``; with ``loss=None`` and
+      dict batches, a transformers model's own ``loss_function`` on ``labels``); the global
+      loss is its mean. Each rank holds only its stages' parameters.
 
     Example::
 
@@ -45,6 +47,9 @@ class Pipeline(Strategy):
     """Stages per rank (``interleaved_1f1b`` needs at least 2)."""
     split_points: tuple[int, ...] | None = None
     """First layer index of every stage after the first, instead of balancing."""
+    split: tuple[str, ...] | None = None
+    """Module names to cut the model into, in forward order (a ``ModuleList`` gives one layer
+    per entry), for a model with no plan of its own: ``("embed", "blocks", "norm", "head")``."""
 
     def problems(self) -> list[str]:
         return [*Strategy.problems(self), *self._pipeline().problems()]
@@ -71,4 +76,5 @@ class Pipeline(Strategy):
             schedule=self.schedule,
             virtual_stages=self.virtual_stages,
             split_points=self.split_points,
+            split=tuple(self.split) if isinstance(self.split, list) else self.split,
         )

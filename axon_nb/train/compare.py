@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +73,9 @@ def _mib(value: float | None, digits: int) -> str:
 def compare(
     cluster: ClusterLike, strategies: list[Any], *, steps: int = 10, warmup: int = 2,
     model: Any = None, data: Any = None, columns: tuple[Any, Any] | None = None,
-    optimizer: Any = None, loss: Callable[..., Any] | None = None,
+    optimizer: Any = None,
+    param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
+    no_decay: str | None = None, loss: Callable[..., Any] | None = None,
     loss_normalization: str = "mean", batch_size: int,
     grad_accum: int = 1, mixed_precision: str | None = None,
     clip_grad_norm: float | None = None, loader: dict[str, Any] | None = None,

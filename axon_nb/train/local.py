@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from axon_nb.spec.dask_rows import is_dask_data
@@ -21,6 +21,8 @@ def train_local(
     strategy: Any = None,
     columns: tuple[Any, Any] | None = None,
     optimizer: Any = None,
+    param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
+    no_decay: str | None = None,
     loss: Callable[..., Any] | None = None,
     loss_normalization: str = "mean",
     steps: int,
@@ -60,6 +62,8 @@ def train_local(
         strategy=strategy,
         columns=columns,
         optimizer=optimizer,
+        param_groups=param_groups,
+        no_decay=no_decay,
         loss=loss,
         loss_normalization=loss_normalization,
         steps=steps,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.spec.dask_rows import is_dask_data
@@ -28,6 +28,8 @@ def train(
     strategy: Any = None,
     columns: tuple[Any, Any] | None = None,
     optimizer: Any = None,
+    param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
+    no_decay: str | None = None,
     loss: Callable[..., Any] | None = None,
     loss_normalization: str = "mean",
     steps: int,
@@ -99,6 +101,8 @@ def train(
         strategy=strategy,
         columns=columns,
         optimizer=optimizer,
+        param_groups=param_groups,
+        no_decay=no_decay,
         loss=loss,
         loss_normalization=loss_normalization,
         steps=steps,

@@ -13,6 +13,7 @@ import cloudpickle
 from axon_nb.rank import entry
 from axon_nb.spec.dask_rows import is_dask_data
 from axon_nb.spec.train_spec import TrainSpec
+from axon_nb.train import notebook_data
 from axon_nb.train.dask_data import place
 from axon_nb.train.handle import TrainHandle
 
@@ -32,6 +33,8 @@ def start_run(
         shards, held = place(cluster, spec.data, spec.columns, dims, spec.batch_size // dims.dp)
         cluster.hold_dask_rows(held)
         sent = dataclasses.replace(spec, data=shards)
+    elif (shared := notebook_data.share(cluster, spec.data)) is not None:
+        sent = dataclasses.replace(spec, data=shared)  # its tensors held once per host
     ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(sent), run)
     handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted)
     for note in notes:

@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from axon_nb.parallel.activation_checkpoint import canonical_name
+from axon_nb.parallel.optim_state import SAME_GROUPS, groups_problem
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint.safe_reader import SafeReader
 from axon_nb.rank.training import trainstate
@@ -143,6 +144,12 @@ def _check_fits(ckpt: Checkpoint, state: TrainState) -> None:
     optimizer = optimizer_class(state.optimizer)
     if ckpt.trainer["optimizer_state"] and ckpt.optimizer != optimizer:
         problems.append(f"the checkpoint's optimizer is {ckpt.optimizer}, this run's {optimizer}")
+    saved, groups = ckpt.trainer.get("param_groups"), group_names(state)
+    grouping = groups_problem(saved, groups, some=False) if saved and groups else None
+    if grouping:  # (checkpoints before groups were recorded, or a callable's own, are not)
+        problems.append(
+            f"the checkpoint's optimizer groups parameters differently ({grouping}): {SAME_GROUPS}"
+        )
     if problems:
         raise ValueError(
             f"the checkpoint {ckpt.path} does not fit run {state.name!r}:\n  - "
@@ -169,7 +176,15 @@ def trainer_state(state: TrainState, optimizer_state: bool) -> dict[str, Any]:
         "scheduler": state.scheduler.state_dict(),
         "scaler": state.scaler.state_dict() if state.scaler is not None else {},
         "optimizer_state": optimizer_state,
+        "param_groups": group_names(state),
     }
+
+
+def group_names(state: TrainState) -> list[list[str]] | None:
+    """The names of each optimizer parameter group's parameters (the run's groups, over all
+    ranks); None where a user's ``optimizer=`` callable grouped them itself."""
+    plan = state.parallel.groups
+    return plan.names() if len(state.optimizer.param_groups) == len(plan.options) else None
 
 
 def _gather_rng(ctx: runtime.RankContext) -> dict[str, torch.Tensor]:

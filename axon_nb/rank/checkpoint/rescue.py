@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
-from axon_nb.parallel.optim_state import by_name, single_group
+from axon_nb.parallel.optim_state import by_name, merge_groups
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint import checkpoint_io
 from axon_nb.rank.training.trainstate import TrainState
@@ -133,10 +133,6 @@ def _optimizer_pieces(state: TrainState) -> tuple[dict[str, Any] | None, str | N
     names = parameter_names(state.parallel.root)
     params = [p for group in state.optimizer.param_groups for p in group["params"]]
     named = by_name(state.optimizer.state_dict(), [names[id(p)] for p in params])
-    try:
-        named = single_group(named, list(names.values()))
-    except NotImplementedError as e:
-        return None, str(e)
     pieces = {n: {k: _piece(v) for k, v in entry.items()} for n, entry in named["state"].items()}
     return {"state": pieces, "param_groups": named["param_groups"]}, None
 
@@ -229,7 +225,9 @@ def _optimizer(
     for key, value in merged.items():
         param, entry = key.split("\0")
         named.setdefault(param, {})[entry] = value
-    return {"state": named, "param_groups": blobs[0]["optimizer"]["param_groups"]}, None
+    groups = [b["optimizer"]["param_groups"] for b in blobs]  # a pipeline rank's hold some
+    order = list(parameter_names(state.parallel.root).values())
+    return {"state": named, "param_groups": merge_groups(groups, order)}, None
 
 
 def _trainable_names(state: TrainState) -> list[str]:

@@ -12,6 +12,7 @@ from axon_nb.rank.data.dask_shard import PiecesDataset
 from axon_nb.rank.data.prefetch import prefetched
 from axon_nb.rank.data.structure import collate
 from axon_nb.spec.dask_rows import DaskShards, is_dask_data
+from axon_nb.spec.shared_data import SharedData
 
 
 def _dask_pieces(shards: DaskShards, rank: int) -> PiecesDataset:
@@ -27,9 +28,14 @@ def _dask_pieces(shards: DaskShards, rank: int) -> PiecesDataset:
 
 def resolve_dataset(data: Any, rank: int = 0) -> Dataset[Any]:
     """``data`` itself when it is a dataset, else ``data()``; checked to be map-style. A dask
-    collection comes as :class:`DaskShards`: ``rank``'s pieces, from its own worker."""
+    collection comes as :class:`DaskShards`: ``rank``'s pieces, from its own worker; a dataset
+    built in the notebook as :class:`SharedData`, rebuilt around this host's shared tensors."""
     if isinstance(data, DaskShards):
         return _dask_pieces(data, rank)
+    if isinstance(data, SharedData):
+        from axon_nb.rank.data.shared_tensors import rebuild
+
+        data = rebuild(data)
     factory = isinstance(data, type) or not hasattr(data, "__getitem__")  # a class is one too
     dataset = data() if callable(data) and factory else data
     if is_dask_data(dataset):

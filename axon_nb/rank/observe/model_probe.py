@@ -6,7 +6,8 @@ an ``nn.Sequential``'s children or ``pipeline_layers()``; else the model is one 
 each layer it records:
 
 - ``params``: parameter count, and ``tp_params``: how many of them a tensor-parallel plan
-  splits (the model's default plan, when it has one);
+  splits (the model's default plan, when it has one); ``frozen`` and ``tp_frozen``: how many
+  of each have ``requires_grad=False`` (no gradients, no optimizer state);
 - ``saved_bytes``: bytes of the tensors autograd saves for backward (activations; parameters
   excluded), per sample;
 - ``output_bytes``: bytes of the layer's output per sample (what a pipeline sends on);
@@ -22,8 +23,9 @@ each layer it records:
 
 And for the whole model: ``backward_extra_bytes`` per sample, the most bytes alive during
 forward and backward beyond the saved activations and the parameter gradients (the gradients
-of activations, temporaries), and ``flops`` per sample (6 x parameters x tokens, or 6 x
-parameters where no token count is known).
+of activations, temporaries), and ``flops`` per sample ((4 x parameters + 2 x trainable
+parameters) x tokens: frozen weights get no gradient; 6 x parameters x tokens when all train;
+tokens are the samples where no token count is known).
 
 Example (on a rank, or in any process with torch)::
 
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from axon_nb.metrics.peak import PeakTracker
+from axon_nb.spec.pretrained_model import PretrainedModel
 
 
 def profile_model(
@@ -94,12 +97,13 @@ def profile_model(
     if plan:
         _measure_split(model, layers, rows, inputs, target, loss_fn, plan)
     params = sum(r["params"] for r in rows)
+    trainable = params - sum(r["frozen"] for r in rows)
     tokens = _tokens(inputs) / samples
     return {
         "layers": rows,
         "param_bytes": _param_bytes(model),
         "backward_extra_bytes": max(0, tracker.peak - saved_total - grads) / samples,
-        "flops": 6 * params * tokens,
+        "flops": (4 * params + 2 * trainable) * tokens,
         "tokens_per_sample": tokens,
         "probe_samples": samples,
     }
@@ -126,7 +130,10 @@ def _measure_split(
         cut = (old.in_features, old.out_features // 2) if style == "colwise" else (
             old.in_features // 2, old.out_features)  # fmt: skip
         holder = narrow.get_submodule(parent) if parent else narrow
-        setattr(holder, child, nn.Linear(*cut, bias=old.bias is not None))
+        new = nn.Linear(*cut, bias=old.bias is not None)
+        for mine, theirs in zip(new.parameters(), old.parameters(), strict=True):
+            mine.requires_grad_(theirs.requires_grad)  # a frozen layer saves less for backward
+        setattr(holder, child, new)
     narrow_layers = _layers(narrow)
     saved = [0] * len(narrow_layers)
     current = [0]
@@ -191,14 +198,16 @@ def _plan(model: nn.Module) -> dict[str, str]:
 
 
 def _layer_row(layer: nn.Module, names: dict[int, str], split: list[nn.Module]) -> dict[str, Any]:
-    tp_params = sum(
-        p.numel() for m in layer.modules() if any(m is s for s in split)
+    planned = [
+        p for m in layer.modules() if any(m is s for s in split)
         for p in m.parameters(recurse=False)
-    )  # fmt: skip
+    ]  # fmt: skip
     return {
         "name": names.get(id(layer), type(layer).__name__),
         "params": sum(p.numel() for p in layer.parameters()),
-        "tp_params": tp_params,
+        "tp_params": sum(p.numel() for p in planned),
+        "frozen": sum(p.numel() for p in layer.parameters() if not p.requires_grad),
+        "tp_frozen": sum(p.numel() for p in planned if not p.requires_grad),
         "output_bytes": 0,
         "colwise_in_bytes": 0,
         "rowwise_out_bytes": 0,
@@ -266,7 +275,12 @@ def profile_from(model: Any, data: Any, loss: Any = None, samples: int = 4) -> d
 
     from axon_nb.rank.data.shards import resolve_dataset
 
-    built = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
+    if isinstance(model, PretrainedModel):
+        from axon_nb.rank.training import meta_init  # the whole model: every weight read
+
+        built = meta_init.load_whole(model)
+    else:
+        built = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
     if not isinstance(built, nn.Module):
         raise TypeError(
             f"model must be an nn.Module or a callable returning one; got {type(built).__name__}"

@@ -24,14 +24,16 @@ from axon_nb.metrics.peak import PeakTracker
 from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.parallel.grad_scaler import GradScaler
 from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
+from axon_nb.parallel.param_groups import GroupPlan, plan_groups
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data.iterable import IterableSteps
 from axon_nb.rank.data.shards import StepBatches, resolve_dataset
-from axon_nb.rank.training import model_loss, trainstate
+from axon_nb.rank.training import meta_init, model_loss, trainstate
 from axon_nb.rank.training.agreement import StepAgreement
 from axon_nb.rank.training.trainstate import LRShape, TrainState
 from axon_nb.rank.world.interrupts import StopSignal
+from axon_nb.spec.pretrained_model import PretrainedModel
 from axon_nb.spec.train_spec import OPTIMIZERS, TrainSpec
 
 
@@ -127,21 +129,35 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Bat
     if spec.resume:
         return _resume(spec, ctx)
 
-    def build() -> tuple[nn.Module, Any, Batches]:
+    pretrained = spec.model if isinstance(spec.model, PretrainedModel) else None
+
+    def build() -> tuple[nn.Module, Any, Batches, GroupPlan]:
         torch.manual_seed(spec.seed)  # the same initial parameters on every rank
-        model = spec.model() if not isinstance(spec.model, nn.Module) else spec.model
+        if pretrained is not None:  # parameters on meta: weights are read once laid out
+            model = meta_init.build(pretrained)
+        elif isinstance(spec.model, nn.Module):
+            model = spec.model
+        else:
+            model = spec.model()
         if not isinstance(model, nn.Module):
             raise TypeError(
                 f"model must be an nn.Module or a callable returning one; it returned "
                 f"{type(model).__name__}"
             )
+        groups = plan_groups(model, spec.param_groups, spec.no_decay)
         dataset = resolve_dataset(spec.data, ctx.rank)
-        return model, dataset, _batches(spec, ctx, dataset)
+        return model, dataset, _batches(spec, ctx, dataset), groups
 
-    model, dataset, batches = _agreed(ctx, build)
+    model, dataset, batches, groups = _agreed(ctx, build)
     dims = spec.strategy.dims(ctx.world_size, ctx.local_world_size)
     parallel = parallelize(
-        model.to(ctx.device), dims, spec.strategy.config(), ctx.device, compile=spec.compile
+        model.to(ctx.device) if pretrained is None else model,
+        dims,
+        spec.strategy.config(),
+        ctx.device,
+        compile=spec.compile,
+        groups=groups,
+        materialize=meta_init.loader(pretrained, model, ctx.device) if pretrained else None,
     )
     optimizer = parallel.build_optimizer(optimizer_factory(spec, ctx.device))
     lr_shape = LRShape(warmup_steps=spec.warmup_steps, horizon=spec.steps, shape=spec.schedule)
@@ -179,6 +195,9 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batc
         )
     dataset = state.dataset if spec.data is None else resolve_dataset(spec.data, ctx.rank)
     batches = _batches(spec, ctx, dataset)
+    plan = state.parallel.groups
+    if spec.param_groups is not None or spec.no_decay is not None:
+        _check_same_groups(spec, state)
     changes = spec.optimizer_kwargs
     unknown = [k for k in changes if k not in state.optimizer.param_groups[0]]
     if unknown:
@@ -193,12 +212,16 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batc
         )
     # Only now, with every input checked, does the stored state change.
     state.dataset = dataset
-    for group in state.optimizer.param_groups:
-        group.update(changes)
+    # a group keeps what it chose itself (param_groups=, no_decay=): e.g. its own lr
+    for index, group in enumerate(state.optimizer.param_groups):
+        group.update({k: v for k, v in changes.items() if not plan.sets_itself(index, k)})
     if state.own_scheduler:  # its own schedule goes on where it was
         return state, batches
     if "lr" in changes:
-        state.scheduler.base_lrs = [changes["lr"]] * len(state.optimizer.param_groups)
+        state.scheduler.base_lrs = [
+            base if plan.sets_itself(index, "lr") else changes["lr"]
+            for index, base in enumerate(state.scheduler.base_lrs)
+        ]
     # Steps count from the run's start, so resuming with the same arguments after a stop
     # continues the schedule exactly; training past the old end stretches the decay.
     state.lr_shape.warmup_steps = spec.warmup_steps
@@ -208,6 +231,19 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batc
     for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs, strict=True):
         group["lr"] = base * factor
     return state, batches
+
+
+def _check_same_groups(spec: TrainSpec, state: TrainState) -> None:
+    """A resumed run keeps its optimizer's groups: ``param_groups``/``no_decay`` given again
+    must make the same ones."""
+    again = plan_groups(state.module, spec.param_groups, spec.no_decay)
+    if again != state.parallel.groups:
+        raise ValueError(
+            f"resume=True keeps the parameter groups {spec.name!r} trains with; these "
+            f"param_groups=/no_decay= group its parameters differently ({again.options} "
+            f"against {state.parallel.groups.options}). Leave them out to keep the run's, "
+            "or train afresh (resume=False)"
+        )
 
 
 def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> Batches:

@@ -12,7 +12,8 @@ Stopping (``axon_nb.spec.stop_waits``): SIGTERM or SIGHUP to this process, or th
 own parent (the MPI launcher or hydra's proxy on this host), is passed on to the engine as
 SIGTERM; if the engine has not exited ``TERM_S`` later (busy in a cell, stuck in a collective,
 holding the GIL in native code) its whole process tree (engine and nanny) is SIGKILLed.
-SIGINT is passed on as it is.
+SIGINT is passed on as it is. Once the engine has ended, this parent removes the
+shared-memory files of notebook datasets it left (only a transfer cut short leaves any).
 
 The engine inherits the environment and every file descriptor (MPI's ``PMI_FD`` among them)
 except its output: with ``AXON_NB_ENGINE_LOG`` set (the cluster's owner-only log file) the
@@ -34,6 +35,7 @@ import time
 
 import psutil
 
+from axon_nb.spec.shared_data import leftovers
 from axon_nb.spec.stop_waits import TERM_S
 
 LOG_ENV = "AXON_NB_ENGINE_LOG"
@@ -81,6 +83,14 @@ def _kill_tree(pid: int) -> None:
             proc.kill()
 
 
+def _remove_shared_files(pid: int) -> None:
+    """Remove the shared-memory files engine ``pid`` left (``spec/shared_data.py``: each is
+    unlinked once mapped, so only a transfer cut short leaves one)."""
+    for path in leftovers(pid):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 class _Stopping:
     """What the signal handlers saw: when the engine was told to stop (monotonic time)."""
 
@@ -117,6 +127,7 @@ def main(argv: list[str]) -> int:
     if os.getppid() != parent:  # it died before the death signal was set
         pass_on(signal.SIGTERM, None)
     code = _wait(child, stopping)
+    _remove_shared_files(child.pid)
     if code >= 0:
         return code
     if stopping.since is not None:  # ended by the stop: not a failure

@@ -1,0 +1,343 @@
+"""Datasets built in the notebook, sent to each host once and kept there between calls.
+
+``data=ds``, where ``ds`` is an object made in the notebook (a ``TensorDataset``, a dataset
+class of the notebook's own holding tensors, ...), would otherwise be pickled whole and sent
+to every rank on every call, and each rank would keep its own copy. Instead ``start_run``
+gives it to :func:`share`, which
+
+- pickles the dataset with cloudpickle, leaving out every CPU tensor of at least
+  :data:`MIN_TENSOR_BYTES` (the *skeleton*: classes, attributes, small tensors; sent with
+  every call, so changes to them always arrive);
+- names each such tensor by a key: the same tensor object with the same fingerprint keeps
+  its key from call to call;
+- asks the ranks which keys they hold (one small round trip) and sends each missing tensor
+  once per host: one rank of the host writes it into an owner-only file under ``/dev/shm``,
+  every rank of the host maps that file, and the file is unlinked at once
+  (``axon_nb.rank.data.shared_tensors``). The host keeps one copy in memory, freed when the
+  ranks drop the key (the tensor changed, it was garbage-collected in the notebook, or
+  :func:`forget`) and in any case when the ranks end: a stopped cluster leaves nothing in
+  ``/dev/shm``.
+
+What counts as a change (a new key, so the tensor is sent again):
+
+- another tensor object (the dataset holds new tensors, or another dataset is passed);
+- any in-place torch operation on the tensor or on a view of it (``x[0] = 1``, ``x.mul_(2)``,
+  ``x.copy_(y)``, ``torch.add(a, b, out=x)``): torch's version counter of the tensor;
+- another shape, dtype, strides, storage offset or data pointer (``x.set_(...)``,
+  ``x.resize_(...)``);
+- writes that torch does not count (through ``x.numpy()``, ``x.data``, or the NumPy array
+  ``torch.from_numpy`` was given) only when they change one of :data:`SAMPLES` windows of
+  :data:`WINDOW_BYTES` bytes spread evenly over the tensor (first and last bytes included).
+  After such a write call :func:`forget`, or pass a new tensor.
+
+Tensors that are not plain CPU tensors (``nn.Parameter``, tensors that require grad, sparse,
+quantized or on a device) and tensors past the first :data:`MAX_TENSORS` travel in the
+skeleton as before, as does every dataset given as a callable (``data=make_dataset``, or
+``data=lambda: ds``: the callable form is never cached). The ranks rebuild the dataset
+around their host's copy: code on a rank that writes into the dataset's tensors writes for
+every rank of the host (such a tensor is dropped and sent again at the next call).
+
+Example::
+
+    ds = TensorDataset(torch.randn(50_000, 1024), torch.randn(50_000, 1))
+    cluster.train(model=make_model, data=ds, steps=100, batch_size=64)  # sends 205 MB per host
+    cluster.train(model=make_model, data=ds, steps=100, batch_size=64)  # sends a few hundred B
+    notebook_data.stats(cluster)
+    # NotebookDataStats(calls=2, checks=2, tensors_sent=2, bytes_sent=205000000, tensors_reused=2)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import pickle
+import sys
+import uuid
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import cloudpickle
+
+from axon_nb.rank import entry
+from axon_nb.spec.dask_rows import is_dask_data
+from axon_nb.spec.shared_data import SharedData, SharedTensor
+
+if TYPE_CHECKING:
+    from axon_nb.cluster.transport import ClusterLike
+
+MIN_TENSOR_BYTES = 1 << 20
+"""Smaller tensors travel in the skeleton with every call."""
+MAX_TENSORS = 4096
+"""At most this many tensors of one dataset are held on the hosts (each is one mapping)."""
+MESSAGE_BYTES = 64 << 20
+"""Bytes of tensor data per message to a host (the kernel and the rank hold one at a time)."""
+SAMPLES = 64
+"""Windows of a tensor's bytes hashed into its fingerprint."""
+WINDOW_BYTES = 256
+"""Bytes in each window."""
+
+
+@dataclass
+class NotebookDataStats:
+    """What :func:`share` did on one cluster (see :func:`stats`)."""
+
+    calls: int = 0
+    """Runs given a notebook dataset with tensors to hold on the hosts."""
+    checks: int = 0
+    """Round trips asking the ranks which tensors they hold."""
+    tensors_sent: int = 0
+    """Tensors sent, counted once per host that received them."""
+    bytes_sent: int = 0
+    """Bytes of tensor data sent, counted once per host that received them."""
+    tensors_reused: int = 0
+    """Tensors a run found already held on every host, counted once per run."""
+
+
+@dataclass
+class _Entry:
+    ref: weakref.ref[Any]
+    fingerprint: tuple[Any, ...]
+    key: str
+
+
+@dataclass
+class _Cache:
+    """One cluster's notebook tensors: their keys, and what the ranks were last seen holding."""
+
+    entries: dict[int, _Entry] = field(default_factory=dict)
+    """``id(tensor)`` -> its entry (the weak reference tells a reused id apart)."""
+    world: tuple[Any, ...] = ()
+    """The ranks' (host, pid) when ``confirmed`` was taken: other processes hold nothing."""
+    confirmed: set[str] = field(default_factory=set)
+    """Keys every rank held after the latest check or transfer."""
+    drop: set[str] = field(default_factory=set)
+    """Keys the ranks may let go of, told with the next check."""
+    stats: NotebookDataStats = field(default_factory=NotebookDataStats)
+
+    def key_for(self, tensor: Any, torch: Any) -> str:
+        """``tensor``'s key: kept while it is the same object with the same fingerprint."""
+        self._sweep()
+        fingerprint = _fingerprint(tensor, torch)
+        entry = self.entries.get(id(tensor))
+        if entry is not None and entry.ref() is tensor and entry.fingerprint == fingerprint:
+            return entry.key
+        if entry is not None:
+            self.drop.add(entry.key)
+        key = uuid.uuid4().hex
+        self.entries[id(tensor)] = _Entry(weakref.ref(tensor), fingerprint, key)
+        return key
+
+    def _sweep(self) -> None:
+        """Forget tensors the notebook no longer holds; the ranks drop them at the next check."""
+        for ident, known in list(self.entries.items()):
+            if known.ref() is None:
+                del self.entries[ident]
+                self.drop.add(known.key)
+
+
+_caches: weakref.WeakKeyDictionary[Any, _Cache] = weakref.WeakKeyDictionary()
+
+
+def share(cluster: ClusterLike, data: Any) -> SharedData | None:
+    """``data`` as the ranks should receive it when it is a dataset object: its large CPU
+    tensors held by each host (sent only where missing), the rest pickled in the skeleton
+    (all of it when it holds no such tensor: pickled once, as it always was). None for a
+    callable or a dask collection, which travel as they are. Example::
+
+        shared = share(cluster, TensorDataset(x, y))   # SharedData(312 bytes, tensors=[...])
+    """
+    torch = sys.modules.get("torch")  # no tensor exists in a process that never imported it
+    if torch is None or not _is_object(data):
+        return None
+    skeleton, tensors = _split(data, torch.Tensor)
+    if not tensors:
+        return SharedData(skeleton, ())
+    cache = _caches.setdefault(cluster, _Cache())
+    world = tuple((r.get("host"), r.get("pid")) for r in cluster.ranks)
+    if world != cache.world:  # a restarted or re-formed cluster: its ranks hold nothing
+        cache.world, cache.confirmed, cache.drop = world, set(), set()
+    metas = tuple(
+        SharedTensor(cache.key_for(t, torch), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        for t in tensors
+    )
+    cache.stats.calls += 1
+    keys = {m.key for m in metas}
+    run = getattr(cluster, "last_run", None)
+    if keys <= cache.confirmed and run is not None and not run.done:
+        # The ranks are busy with a run: a check would wait for its end; what they held when
+        # it started they hold now (a run never drops a tensor).
+        cache.stats.tensors_reused += len(metas)
+        return SharedData(skeleton, metas)
+    _send_missing(cluster, cache, metas, tensors, torch)
+    return SharedData(skeleton, metas)
+
+
+def stats(cluster: ClusterLike) -> NotebookDataStats:
+    """What notebook datasets cost ``cluster`` so far: runs, checks, tensors and bytes sent.
+    Example::
+
+        before = stats(cluster).bytes_sent
+        cluster.train(model=make_model, data=ds, steps=10, batch_size=64)
+        stats(cluster).bytes_sent - before   # 0 when ds was sent before and is unchanged
+    """
+    return _caches.setdefault(cluster, _Cache()).stats
+
+
+def forget(cluster: ClusterLike) -> None:
+    """Let go of every notebook tensor ``cluster``'s hosts hold (the next call sends them
+    again), e.g. after writing into a tensor through ``.numpy()``. Example::
+
+        x.numpy()[:] = 0          # torch does not see this write
+        forget(cluster)
+        cluster.train(model=make_model, data=ds, ...)   # sends ds's tensors again
+    """
+    cache = _caches.get(cluster)
+    if cache is None:
+        return
+    cache.drop |= {e.key for e in cache.entries.values()} | cache.confirmed
+    cache.entries.clear()
+    cache.confirmed.clear()
+    if cluster.running:
+        cluster.run(entry.shared_held, [], sorted(cache.drop), stream=False)
+        cache.drop.clear()
+
+
+def _is_object(data: Any) -> bool:
+    """A dataset object, not a factory (the test ``resolve_dataset`` makes on the ranks)."""
+    if data is None or isinstance(data, type) or is_dask_data(data):
+        return False
+    return not (callable(data) and not hasattr(data, "__getitem__"))
+
+
+class _Splitter(cloudpickle.Pickler):
+    """cloudpickle, with each large plain CPU tensor replaced by its index in ``tensors``."""
+
+    def __init__(self, file: io.BytesIO, tensor_type: type) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._tensor_type = tensor_type
+        self._index: dict[int, int] = {}
+        self.tensors: list[Any] = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if type(obj) is not self._tensor_type:  # (subclasses such as Parameter are pickled)
+            return None
+        index = self._index.get(id(obj))
+        if index is None and _shareable(obj) and len(self.tensors) < MAX_TENSORS:
+            index = self._index[id(obj)] = len(self.tensors)
+            self.tensors.append(obj)
+        return index
+
+
+def _split(data: Any, tensor_type: type) -> tuple[bytes, list[Any]]:
+    """The skeleton of ``data`` and the tensors left out of it, in persistent-id order."""
+    buffer = io.BytesIO()
+    pickler = _Splitter(buffer, tensor_type)
+    pickler.dump(data)
+    return buffer.getvalue(), pickler.tensors
+
+
+def _shareable(t: Any) -> bool:
+    return (
+        t.device.type == "cpu"
+        and str(t.layout) == "torch.strided"
+        and not t.requires_grad
+        and not t.is_quantized
+        and t.nbytes >= MIN_TENSOR_BYTES
+    )
+
+
+def _bytes_of(t: Any, torch: Any) -> Any:
+    """``t``'s values as a flat NumPy array of bytes (a view when ``t`` is contiguous)."""
+    return t.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8).numpy()
+
+
+def _fingerprint(t: Any, torch: Any) -> tuple[Any, ...]:
+    """What tells a changed tensor apart (see the module doc), in microseconds."""
+    flat = _bytes_of(t, torch)
+    digest = hashlib.blake2b(digest_size=16)
+    last = max(flat.size - WINDOW_BYTES, 0)
+    for i in range(SAMPLES):
+        start = last * i // (SAMPLES - 1)
+        digest.update(flat[start : start + WINDOW_BYTES])
+    return (
+        str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.data_ptr(),
+        t._version, digest.digest(),
+    )  # fmt: skip
+
+
+def _send_missing(
+    cluster: ClusterLike, cache: _Cache, metas: tuple[SharedTensor, ...], tensors: list[Any],
+    torch: Any,
+) -> None:  # fmt: skip
+    """Ask every rank what it holds (dropping ``cache.drop``), then send each host what any
+    of its ranks lacks."""
+    keys = [m.key for m in metas]
+    asked = sorted(set(keys) | (cache.confirmed - cache.drop))
+    held = cluster.run(entry.shared_held, asked, sorted(cache.drop), stream=False)
+    cache.stats.checks += 1
+    cache.drop.clear()
+    cache.confirmed = {k for k in asked if all(k in h for h in held)}
+    hosts: dict[str, list[int]] = {}
+    for r in cluster.ranks:
+        hosts.setdefault(r["host"], []).append(r["rank"])
+    wanted: dict[tuple[int, ...], list[str]] = {}  # tensors missing -> the hosts missing them
+    for host, ranks in hosts.items():
+        missing = tuple(i for i, k in enumerate(keys) if any(k not in held[r] for r in ranks))
+        if missing:
+            wanted.setdefault(missing, []).append(host)
+    for missing, to in wanted.items():
+        _transfer(cluster, {h: hosts[h] for h in to}, [metas[i] for i in missing],
+                  [tensors[i] for i in missing], torch)  # fmt: skip
+        cache.stats.tensors_sent += len(missing) * len(to)
+        cache.stats.bytes_sent += sum(tensors[i].nbytes for i in missing) * len(to)
+    cache.stats.tensors_reused += len(metas) - len({i for m in wanted for i in m})
+    cache.confirmed |= set(keys)
+
+
+def _transfer(
+    cluster: ClusterLike, hosts: dict[str, list[int]], metas: list[SharedTensor],
+    tensors: list[Any], torch: Any,
+) -> None:  # fmt: skip
+    """Send ``tensors`` to the first rank of each of ``hosts``, which writes them to files;
+    every rank of the host maps them; the files are then unlinked (also on any failure)."""
+    writers = {host: min(ranks) for host, ranks in hosts.items()}
+    order = sorted(writers, key=writers.get)  # results come back in rank order
+    paths: dict[str, dict[str, str]] = {host: {} for host in hosts}
+    try:
+        for pieces in _pieces(metas, tensors, torch):
+            created = cluster.run(
+                entry.shared_write, pieces, ranks=[writers[h] for h in order], stream=False
+            )
+            for host, made in zip(order, created, strict=True):
+                paths[host].update(made)
+        copies = {host: [(m, paths[host][m.key]) for m in metas] for host in hosts}
+        every = sorted(r for ranks in hosts.values() for r in ranks)
+        cluster.run(entry.shared_map, copies, ranks=every, stream=False)
+    finally:
+        with contextlib.suppress(Exception):  # (each writer's parent removes what is left)
+            keys = [m.key for m in metas]
+            cluster.run(entry.shared_unlink, keys, ranks=[writers[h] for h in order], stream=False)
+
+
+def _pieces(
+    metas: list[SharedTensor], tensors: list[Any], torch: Any
+) -> Iterator[list[tuple[str, int, int, Any]]]:
+    """Messages of at most :data:`MESSAGE_BYTES` of ``(key, nbytes, offset, bytes)``."""
+    message: list[tuple[str, int, int, Any]] = []
+    size = 0
+    for meta, t in zip(metas, tensors, strict=True):
+        flat = _bytes_of(t, torch)
+        offset = 0
+        while offset < flat.size:
+            chunk = flat[offset : offset + MESSAGE_BYTES - size]
+            message.append((meta.key, flat.size, offset, chunk))
+            size += chunk.size
+            offset += chunk.size
+            if size >= MESSAGE_BYTES:
+                yield message
+                message, size = [], 0
+    if message:
+        yield message
