@@ -33,6 +33,7 @@ def engine_cmd() -> list[str]:
         sys.executable, "-m", "axon_nb.rank.world.engine",
     ]  # fmt: skip
 
+
 ENGINE_ARGS = ["--IPEngine.timeout=120"]
 """The engine waits this long for the controller to answer its registration. ipyparallel's 5 s
 default is too short on a loaded machine: the engine gave up and exited before the controller
