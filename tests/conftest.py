@@ -56,6 +56,8 @@ class ClusterPool:
         n = cluster.options.n
         if not cluster.running or cluster.options != options or len(cluster.ranks) != n:
             return False
+        if cluster._client.outstanding:  # a run left going (block=False) or stuck
+            return False
         try:
             return cluster.run(_fresh_world_sum, stream=False) == [n] * n
         except Exception:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hf_models import (
     AugmentedImages,
+    FixedTokens,
     TokenRows,
     hf_rows,
     lora_llama,
@@ -274,6 +275,38 @@ def test_tensor_parallel_takes_the_models_own_plan(cluster: axon_nb.Cluster) -> 
             "model.layers.*.self_attn.o_proj": "rowwise"}  # fmt: skip
     result = cluster.train(**run, strategy=TensorParallel(plan=plan))
     assert_same_losses(result.losses, reference.losses)
+
+
+def test_sequence_parallel_finds_a_llamas_blocks_and_norms(cluster: axon_nb.Cluster) -> None:
+    """No ``model.blocks`` and no ``nn.RMSNorm``: the layers the plan names are in
+    ``model.layers``, its norms are ``LlamaRMSNorm``, and attention takes its hidden states
+    by keyword."""
+    from axon_nb import TensorParallel
+
+    run = dict(model=tiny_llama, data=FixedTokens(), steps=STEPS, batch_size=8,
+               optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
+    result = cluster.train(**run, strategy=TensorParallel(plan="auto", sequence_parallel=True))
+    assert_same_losses(result.losses, axon_nb.train_local(**run).losses)
+    assert cluster.run(_norms_see_half_the_sequence, stream=False) == [[6, 6], [6, 6]]
+
+
+def _norms_see_half_the_sequence() -> list[int]:
+    """(On a rank) the sequence length each block's first norm works on in one forward."""
+    from axon_nb.rank.training import trainstate
+
+    model = trainstate.get("model").parallel.root
+    seen: list[int] = []
+    hooks = [
+        layer.input_layernorm.register_forward_hook(
+            lambda m, args, out: seen.append(out.to_local().shape[1])
+        )
+        for layer in model.model.layers
+    ]
+    with torch.no_grad():
+        model(torch.randint(1, 64, (2, 12)))
+    for hook in hooks:
+        hook.remove()
+    return seen
 
 
 def test_a_plan_naming_nothing_names_the_nearest_modules(cluster: axon_nb.Cluster) -> None:

@@ -198,7 +198,11 @@ def test_bad_model_parallel_input(cluster: axon_nb.Cluster, cluster4: axon_nb.Cl
         cluster.train(**ARGS, strategy=Pipeline(microbatches=3))
     with pytest.raises(ValueError, match=r"num_stages must be 2\. Start 3 ranks"):
         cluster.train(**ARGS, strategy=Pipeline(num_stages=3))
+    # pairs and no loss: on the kernel when the dataset is here, on the ranks when it is made
+    # there (Mapping items would train with a transformers model's own loss)
     with pytest.raises(ValueError, match="pass loss=loss"):
+        cluster.train(**{**ARGS, "loss": None, "data": token_dataset()}, strategy=Pipeline())
+    with pytest.raises(axon_nb.RankError, match="pass loss=loss"):
         cluster.train(**{**ARGS, "loss": None}, strategy=Pipeline())
     with pytest.raises(ValueError, match=r"dp=2 x tp=3 x pp=1 = 6, but there are 4 ranks"):
         cluster4.train(**ARGS, strategy=Hybrid(dp=2, tp=3))

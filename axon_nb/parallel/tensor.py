@@ -13,7 +13,9 @@ up then down) needs one all-reduce in forward and one in backward.
 With ``sequence_parallel`` the norms between them also split their work, along the sequence
 dimension: the residual stream between blocks stays sharded by sequence, each block gathers
 it before attention and the MLP, and their row-parallel outputs are reduce-scattered back to
-sequence shards. That needs the transformer blocks in ``model.blocks``.
+sequence shards. That needs the transformer blocks: ``model.blocks``, or the ``ModuleList``
+holding the planned layers (a transformers model's ``model.layers``); their norm layers are
+found by class name.
 """
 
 from __future__ import annotations
@@ -213,42 +215,69 @@ def apply_tensor_parallel(
     if not sequence_parallel:
         styles = {n: parallel_style(s) for n, s in plan.items()}
         return parallelize_module(model, mesh, styles)
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList) or not len(blocks):
-        raise ValueError(
-            "sequence_parallel needs the model's transformer blocks in model.blocks (an "
-            "nn.ModuleList); run without it, or arrange the model that way"
-        )
+    prefix, blocks = transformer_blocks(model, plan)
     sequence = Shard(1)
     styles: dict[str, Any] = {}
     for name, style in plan.items():
         styles[name] = parallel_style(style, sequence_parallel=True)
+    gathered = []  # attention and MLP: the sequence shards are gathered before them
     for i, block in enumerate(blocks):
-        prefix = f"blocks.{i}"
         for child_name, child in block.named_children():
-            full = f"{prefix}.{child_name}"
-            if isinstance(child, nn.LayerNorm | nn.RMSNorm):
+            full = f"{prefix}.{i}.{child_name}"
+            if "Norm" in type(child).__name__:  # LayerNorm, RMSNorm, LlamaRMSNorm, ...
                 styles[full] = SequenceParallel()
             elif any(n.startswith(full + ".") for n in plan):
-                # attention / MLP: gather the sequence shards before the column-parallel layers
-                styles[full] = PrepareModuleInput(
-                    input_layouts=(sequence,), desired_input_layouts=(Replicate(),)
-                )
+                gathered.append(child)
     # The residual stream enters the first block whole and is cut into sequence shards; it
     # leaves the last block gathered again, for the (replicated) final norm and head.
     parallelize_module(
         model,
         mesh,
         {
-            "blocks.0": PrepareModuleInput(
+            f"{prefix}.0": PrepareModuleInput(
                 input_layouts=(Replicate(),), desired_input_layouts=(sequence,)
             )
         },
     )
-    styles[f"blocks.{len(blocks) - 1}"] = PrepareModuleOutput(
+    styles[f"{prefix}.{len(blocks) - 1}"] = PrepareModuleOutput(
         output_layouts=(sequence,), desired_output_layouts=(Replicate(),)
     )
-    return parallelize_module(model, mesh, styles)
+    parallelize_module(model, mesh, styles)
+    for module in gathered:
+        module.register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+    return model
+
+
+def transformer_blocks(model: nn.Module, plan: dict[str, Any]) -> tuple[str, nn.ModuleList]:
+    """``(name, blocks)``: ``model.blocks``, else the ``ModuleList`` whose entries hold the
+    planned layers (a transformers model's ``model.layers``). ``ValueError`` if none does."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList) and len(blocks):
+        return "blocks", blocks
+    for name, module in model.named_modules():
+        listed = isinstance(module, nn.ModuleList) and len(module) and name
+        if listed and any(key.startswith(f"{name}.") for key in plan):
+            return name, module
+    raise ValueError(
+        "sequence_parallel needs the model's transformer blocks: an nn.ModuleList whose "
+        "entries hold the plan's layers (model.blocks, or a transformers model's layers); "
+        "run without it, or arrange the model that way"
+    )
+
+
+def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: the hidden states (first argument, or ``hidden_states=`` as
+    transformers blocks pass them to attention) gathered whole from their sequence shards."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    def whole(x: Any) -> Any:
+        return x.redistribute(placements=[Replicate()]) if isinstance(x, DTensor) else x
+
+    if args:
+        return (whole(args[0]), *args[1:]), kwargs
+    if "hidden_states" in kwargs:
+        return args, {**kwargs, "hidden_states": whole(kwargs["hidden_states"])}
+    return args, kwargs
 
 
 def _is_gpt(model: nn.Module) -> bool:
