@@ -43,7 +43,11 @@ def _wait_for_steps(handle: axon_nb.TrainHandle, steps: int) -> None:
 def test_stop_leaves_ranks_in_step_and_resume_continues_exactly(cluster: axon_nb.Cluster) -> None:
     handle = cluster.train(**ARGS, steps=LONG, block=False)
     assert isinstance(handle, axon_nb.TrainHandle)
-    _wait_for_steps(handle, 5)
+    try:
+        _wait_for_steps(handle, 5)
+    except AssertionError:
+        handle.stop()  # leave no run going to the tests after this one
+        raise
     with pytest.raises(TimeoutError, match="still running"):
         handle.wait(timeout=0.2)  # says so, and leaves the run going
     assert not handle.done
@@ -68,6 +72,8 @@ def test_ctrl_c_stops_every_rank_at_one_step_and_keeps_the_model(cluster: axon_n
     timer.start()
     try:
         result = cluster.train(**ARGS, steps=LONG, name="interrupted")
+    except KeyboardInterrupt:  # (escaping, it would end this pytest worker)
+        pytest.fail("Ctrl-C during train raised instead of stopping the run at a step")
     finally:
         timer.cancel()
     assert result.stopped and 0 < result.steps < LONG
