@@ -28,6 +28,10 @@ os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
 )
 
 
+Started = tuple[object, list[int]]
+"""What a pooled cluster must still be: its options and its rank processes."""
+
+
 class ClusterPool:
     """Started clusters kept for the whole session of one pytest worker, one per set of
     options: a module asks for ``get(n)`` and gets the running cluster of earlier modules when
@@ -35,26 +39,26 @@ class ClusterPool:
     CPU for every rank (each imports torch), the largest cost of the suite on two cores."""
 
     def __init__(self) -> None:
-        self._clusters: dict[tuple[int, float], tuple[axon_nb.Cluster, object]] = {}
+        self._clusters: dict[tuple[int, float], tuple[axon_nb.Cluster, Started]] = {}
 
     def get(self, n: int, timeout: float = 120) -> axon_nb.Cluster:
         key = (n, timeout)
         if key in self._clusters:
-            cluster, options = self._clusters.pop(key)
-            if self._healthy(cluster, options):
-                self._clusters[key] = (cluster, options)
+            cluster, started = self._clusters.pop(key)
+            if self._healthy(cluster, started):
+                self._clusters[key] = (cluster, started)
                 return cluster
             cluster.stop()
         cluster = axon_nb.Cluster(n=n, timeout=timeout).start()
-        self._clusters[key] = (cluster, dataclasses.replace(cluster.options))
+        self._clusters[key] = (cluster, _as_started(cluster))
         return cluster
 
     @staticmethod
-    def _healthy(cluster: axon_nb.Cluster, options: object) -> bool:
-        """Running as started (a test may restart, resize, stop or break it); the runs an
-        earlier module left on the ranks are dropped."""
+    def _healthy(cluster: axon_nb.Cluster, started: object) -> bool:
+        """Running as started, with the same rank processes (a test may restart, recover,
+        resize, stop or break it); the runs an earlier module left on the ranks are dropped."""
         n = cluster.options.n
-        if not cluster.running or cluster.options != options or len(cluster.ranks) != n:
+        if not cluster.running or _as_started(cluster) != started:
             return False
         if cluster._client.outstanding:  # a run left going (block=False) or stuck
             return False
@@ -67,6 +71,10 @@ class ClusterPool:
         for cluster, _ in self._clusters.values():
             cluster.stop()
         self._clusters.clear()
+
+
+def _as_started(cluster: axon_nb.Cluster) -> Started:
+    return dataclasses.replace(cluster.options), [r["pid"] for r in cluster.ranks]
 
 
 def _fresh_world_sum() -> int:
@@ -121,10 +129,10 @@ def shell() -> Iterator[InteractiveShell]:
 
 
 SLOW_FIRST = (
-    "test_start_under_load.py", "test_recovery.py", "test_train_model_parallel.py",
-    "test_hosts.py", "test_hf_models.py", "test_interrupts.py", "test_lab_sidebar.py",
-    "test_hang.py", "test_train_fsdp.py", "test_stop.py", "test_lifecycle.py",
-    "test_predictions.py", "test_checkpoint.py", "test_notebook.py", "test_parallel_options.py",
+    "test_recovery.py", "test_train_model_parallel.py", "test_hosts.py", "test_hf_models.py",
+    "test_interrupts.py", "test_start_under_load.py", "test_lab_sidebar.py", "test_hang.py",
+    "test_train_fsdp.py", "test_stop.py", "test_lifecycle.py", "test_predictions.py",
+    "test_checkpoint.py", "test_notebook.py", "test_parallel_options.py",
 )  # fmt: skip
 """The longest files, started first: `make test` hands whole files to two workers in this
 order (pytest-xdist's loadfile), so none of them is left running alone at the end."""

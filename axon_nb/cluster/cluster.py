@@ -107,7 +107,7 @@ class Cluster(Transport):
         self._ipp = cluster
         try:
             self._watch = WatchDir.create()
-            cluster.start_controller_sync()
+            startup.start_controller(cluster, self.log)
             cluster.start_engines_sync(opts.n)
             self._reaper = reaper.spawn(
                 os.getpid(),
@@ -290,6 +290,18 @@ class Cluster(Transport):
             cluster.bandwidth("all_reduce", sizes="1M:64M")   # a table and a plot
         """
         return features.bandwidth(**_forward(locals()))
+
+    def evaluate(
+        self, data: Any, *, loss: Callable[..., Any] | None = None,
+        metrics: Mapping[str, Callable[..., Any]] | None = None, batch_size: int,
+        name: str = "model",
+    ) -> dict[str, float]:  # fmt: skip
+        """Loss and metrics of the model the ranks hold over ``data``, every sample once, under
+        its own strategy: :func:`axon_nb.train.evaluate.evaluate`. Example::
+
+        cluster.evaluate(test_ds, loss=mse, metrics={"mae": mae}, batch_size=64)
+        """
+        return features.evaluate(**_forward(locals()))
 
     def save(
         self, path: str | os.PathLike[str], kind: str = "full", *, name: str = "model",

@@ -61,11 +61,7 @@ class Control:
         free = [r for r in self.world_ranks if r not in stuck and r in alive]
         if not free or not stuck:
             return
-        self.released = True
-        try:
-            self.client[free].apply_async(entry.sever).get(timeout=10)
-        except Exception as e:
-            print(f"could not release ranks {stuck}: {e}", file=sys.stderr)
+        self._sever(free, f"could not release ranks {stuck}")
 
     def check_in_step(self) -> None:
         """After an interrupt that every rank unwound from: if ranks issued different numbers
@@ -83,11 +79,15 @@ class Control:
         names = {name for issued in counts for name in issued}
         if all(len({issued[n] for issued in counts if n in issued}) == 1 for n in names):
             return
+        self._sever(alive, f"could not sever ranks {alive}")
+
+    def _sever(self, ranks: list[int], failure: str) -> None:
+        """Cut ``ranks``' connections (``entry.sever``) and mark the world for re-forming."""
         self.released = True
         try:
-            self.client[alive].apply_async(entry.sever).get(timeout=10)
+            self.client[ranks].apply_async(entry.sever).get(timeout=10)
         except Exception as e:
-            print(f"could not sever ranks {alive}: {e}", file=sys.stderr)
+            print(f"{failure}: {e}", file=sys.stderr)
 
 
 class HeldInterrupt:

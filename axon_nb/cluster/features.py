@@ -7,6 +7,7 @@ can import them here without an import circle.
 from axon_nb.checkpoint.on_cluster import load, rescue, save
 from axon_nb.cluster.bandwidth import bandwidth
 from axon_nb.train.compare import compare
+from axon_nb.train.evaluate import evaluate
 from axon_nb.train.on_cluster import train
 
-__all__ = ["bandwidth", "compare", "load", "rescue", "save", "train"]
+__all__ = ["bandwidth", "compare", "evaluate", "load", "rescue", "save", "train"]

@@ -28,6 +28,27 @@ Wait = Callable[[ipp.AsyncResult, list[int]], dict[int, ipp.AsyncResult]]
 """Waits for one message per rank (``Cluster.wait`` with the start timeout)."""
 
 
+PORT_TAKEN = "Address already in use"
+"""What the controller logs when a port it picked was taken before it bound it: its ports are
+chosen free, then bound a moment later, and on a busy host another process may come between."""
+
+CONTROLLER_ATTEMPTS = 3
+
+
+def start_controller(cluster: ipp.Cluster, log: ClusterLog | None) -> None:
+    """Start ``cluster``'s controller; again (with new ports) when one it picked was taken
+    meanwhile, up to ``CONTROLLER_ATTEMPTS`` times."""
+    for attempt in range(1, CONTROLLER_ATTEMPTS + 1):
+        try:
+            cluster.start_controller_sync()
+            return
+        except Exception:
+            taken = log is not None and log.tail(400).count(PORT_TAKEN) >= attempt
+            if not taken or attempt == CONTROLLER_ATTEMPTS:
+                raise
+            cluster.stop_controller_sync()  # (ipyparallel starts no second one before)
+
+
 def wait_for_engines(
     cluster: ipp.Cluster, client: ipp.Client, options: ClusterOptions, log: ClusterLog | None = None
 ) -> None:
@@ -76,7 +97,24 @@ MISSING_RANK_S = 10.0
 
 def rank_parent_pids(cluster: ipp.Cluster) -> set[int]:
     """The rank processes under this host's MPI launcher (``rank/world/launch.py``)."""
+    return {proc.pid for proc in _rank_parents(cluster)}
+
+
+def local_engine_pids(cluster: ipp.Cluster) -> set[int]:
+    """The engines alive under this host's MPI launcher (each the child of its rank's parent,
+    ``rank/world/launch.py``, which outlives a killed engine)."""
     pids: set[int] = set()
+    for parent in _rank_parents(cluster):
+        try:
+            pids.update(c.pid for c in parent.children() if alive(c.pid))
+        except psutil.Error:
+            continue
+    return pids
+
+
+def _rank_parents(cluster: ipp.Cluster) -> list[psutil.Process]:
+    """The living ``rank/world/launch.py`` processes below this host's MPI launchers."""
+    found = []
     for launcher in cluster.engines.values():
         try:
             below = psutil.Process(launcher.pid).children(recursive=True)
@@ -85,28 +123,10 @@ def rank_parent_pids(cluster: ipp.Cluster) -> set[int]:
         for proc in below:
             try:
                 if "axon_nb.rank.world.launch" in proc.cmdline() and alive(proc.pid):
-                    pids.add(proc.pid)
+                    found.append(proc)
             except psutil.Error:
                 continue
-    return pids
-
-
-def local_engine_pids(cluster: ipp.Cluster) -> set[int]:
-    """The engines alive under this host's MPI launcher (each the child of its rank's parent,
-    ``rank/world/launch.py``, which outlives a killed engine)."""
-    pids: set[int] = set()
-    for launcher in cluster.engines.values():
-        try:
-            below = psutil.Process(launcher.pid).children(recursive=True)
-        except psutil.Error:
-            continue
-        for proc in below:
-            try:
-                if "axon_nb.rank.world.launch" in proc.cmdline():
-                    pids.update(c.pid for c in proc.children() if alive(c.pid))
-            except psutil.Error:
-                continue
-    return pids
+    return found
 
 
 def join_world(

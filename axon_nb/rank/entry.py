@@ -229,3 +229,15 @@ def shared_held(keys: list[str], drop: list[str]) -> list[str]:
     from axon_nb.rank.data import shared_tensors
 
     return shared_tensors.held(keys, drop)
+
+
+def evaluate(
+    name: str, data: Any, loss: Any, metrics: dict[str, Any], batch_size: int
+) -> dict[str, float]:
+    """Loss and metrics of run ``name``'s model over ``data`` (``Cluster.evaluate``)."""
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
+
+    with import_safe_interrupts():
+        from axon_nb.rank.training.evaluation import evaluate_run
+
+    return evaluate_run(name, data, loss=loss, metrics=metrics, batch_size=batch_size)
