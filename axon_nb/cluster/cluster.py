@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import ipyparallel as ipp
 
 from axon_nb import ipykernel_sigint
-from axon_nb.cluster import features, reaper, startup, stopping
+from axon_nb.cluster import features, mpi_leftovers, reaper, startup, stopping
 from axon_nb.cluster.control import held_interrupts
 from axon_nb.cluster.dask_on_ranks import DaskOnRanks
 from axon_nb.cluster.exposure import describe_exposure
@@ -104,6 +104,8 @@ class Cluster(Transport):
         )
         # may raise (no mpiexec) before anything starts
         LAUNCHERS[opts.engines](cluster, opts, str(self.log.path))
+        if opts.engines == "mpi":
+            mpi_leftovers.remove_stale()  # what SIGKILLed MPI jobs left in /dev/shm
         self._ipp = cluster
         try:
             self._watch = WatchDir.create()

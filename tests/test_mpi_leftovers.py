@@ -1,0 +1,36 @@
+"""What SIGKILLed MPI jobs leave in /dev/shm is removed before ranks launch, and nothing a
+live job maps or a starting job just made."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from axon_nb.cluster import mpi_leftovers
+
+pytestmark = pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm here")
+
+
+def _file(name: str, age_s: float) -> Path:
+    path = Path("/dev/shm") / f"mpich_shm_axontest{name}_{os.getpid()}"
+    path.write_bytes(bytes(4096))
+    then = time.time() - age_s
+    os.utime(path, (then, then))
+    return path
+
+
+def test_only_old_files_no_process_maps_are_removed() -> None:
+    stale, fresh, mapped = _file("stale", 600), _file("fresh", 1), _file("mapped", 600)
+    with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 4096) as held:
+        try:
+            removed = mpi_leftovers.remove_stale()
+            assert str(stale) in removed and not stale.exists()
+            assert fresh.exists() and mapped.exists()  # a starting job's, a live job's
+            assert held[0] == 0
+        finally:
+            for path in (stale, fresh, mapped):
+                path.unlink(missing_ok=True)
