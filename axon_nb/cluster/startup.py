@@ -59,17 +59,18 @@ def wait_for_engines(
     n, timeout = options.n, options.start_timeout
     started = time.monotonic()
     seen: set[int] = set()  # engine processes that were alive at some point
-    short_since: float | None = None  # since when an engine connected but a rank is missing
+    short_since: float | None = None  # since when an engine runs but a rank is missing
     while len(client.ids) < n:
         now = time.monotonic()
         local = options.engines == "mpi" and not options.multi_host
-        alive = local_engine_pids(cluster) if local else set()
+        parents = rank_parents(cluster) if local else []
+        alive = engine_pids(parents)
         seen |= alive
         stopped = any(launcher.state == "after" for launcher in cluster.engines.values())
         # A rank process that exited at once may never be seen (and the others then wait in
         # MPI_Init for it): MPI's proxy starts them all together, so once an engine runs,
         # every rank's parent is there, or was.
-        missing = local and seen and len(rank_parent_pids(cluster)) < n
+        missing = local and seen and len(parents) < n
         short_since = (short_since or now) if missing else None
         # A rank's engine that was running and is gone has exited (on a busy host the others
         # may not have been spawned yet: their absence says nothing).
@@ -95,16 +96,11 @@ MISSING_RANK_S = 10.0
 (they are started together; a busy host still runs each within this)."""
 
 
-def rank_parent_pids(cluster: ipp.Cluster) -> set[int]:
-    """The rank processes under this host's MPI launcher (``rank/world/launch.py``)."""
-    return {proc.pid for proc in _rank_parents(cluster)}
-
-
-def local_engine_pids(cluster: ipp.Cluster) -> set[int]:
-    """The engines alive under this host's MPI launcher (each the child of its rank's parent,
-    ``rank/world/launch.py``, which outlives a killed engine)."""
+def engine_pids(parents: list[psutil.Process]) -> set[int]:
+    """The engines alive under rank processes ``parents`` (each engine the child of its rank's
+    parent, ``rank/world/launch.py``, which outlives a killed engine)."""
     pids: set[int] = set()
-    for parent in _rank_parents(cluster):
+    for parent in parents:
         try:
             pids.update(c.pid for c in parent.children() if alive(c.pid))
         except psutil.Error:
@@ -112,7 +108,7 @@ def local_engine_pids(cluster: ipp.Cluster) -> set[int]:
     return pids
 
 
-def _rank_parents(cluster: ipp.Cluster) -> list[psutil.Process]:
+def rank_parents(cluster: ipp.Cluster) -> list[psutil.Process]:
     """The living ``rank/world/launch.py`` processes below this host's MPI launchers."""
     found = []
     for launcher in cluster.engines.values():
