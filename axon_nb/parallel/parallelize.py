@@ -74,23 +74,20 @@ def parallelize(
     dp_group = dims.dp_mesh(device.type).get_group() if mesh is not None else None
     coords = dims.coords(dist.get_rank() if dist.is_initialized() else 0)
     piped = dims.pp > 1
+    split = config.pipeline.split if config.pipeline is not None else None
     if piped:
         bounds, mine = pipeline.plan_stages(
             model, coords["pp"], dims.pp, config.pipeline or PipelineConfig()
         )
     if dims.tp > 1:
-        split = config.pipeline.split if config.pipeline is not None else None
         owned = pipeline.owned_module_names(model, bounds, mine, split) if piped else None
         apply_tp(model, mesh["tp"], config.tensor or TensorConfig(), owned)
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing)
     if compile:
         apply_compile(model)
-    if piped:
-        split = config.pipeline.split if config.pipeline is not None else None
-        parts = pipeline.cut_stages(model, bounds, mine, split)
-    else:
-        parts = [model]
+    # (the layers are read again: checkpointing and compiling may have wrapped them)
+    parts = pipeline.cut_stages(model, bounds, mine, split) if piped else [model]
     parts = [
         _data_parallel(part, dims, config, mesh, dp_group, device, groups, materialize)
         for part in parts
