@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,6 +17,15 @@ import axon_nb
 from axon_nb.metrics.stream import SCHEMA
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[axon_nb.Cluster]:
+    """A fresh cluster: on a pooled one, after some earlier modules in a full run, training
+    made no step for 60 s (not reproduced alone; the cause is not found yet)."""
+    with axon_nb.Cluster(n=2, timeout=60) as fresh:
+        yield fresh
+
 
 ARGS: dict[str, Any] = dict(
     model=make_mlp, data=make_data, loss=mse, batch_size=32, optimizer=("adamw", {"lr": 3e-3})
