@@ -219,6 +219,10 @@ class Cluster(Transport):
         checkpoint_dir: str | os.PathLike[str] | None = None,
         checkpoint_every: int | None = None, checkpoint_every_s: float | None = None,
         keep: int | None = None, max_restarts: int = 0, min_ranks: int | None = None,
+        eval_data: Any = None, eval_every: int | None = None,
+        metrics: Mapping[str, Callable[..., Any]] | None = None,
+        log_to: str | Sequence[str] | None = None,
+        log_dir: str | os.PathLike[str] | None = None, trace: tuple[int, int] | None = None,
         block: bool = True,
     ) -> TrainResult | TrainHandle:  # fmt: skip
         """Train on the ranks: :func:`axon_nb.train.train` on this cluster. Example::

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from axon_nb.spec import eval_options, tracking_options
 from axon_nb.strategies import Strategy, resolve_strategy
 
 OPTIMIZERS = {
@@ -132,6 +133,25 @@ class TrainSpec:
     """With ``max_restarts``: when the ranks cannot all come back (the restart fails, or the
     same rank dies again in the restarted run), go on with fewer ranks, down to this many,
     resharding the checkpoint (elastic). None: always restart the same number."""
+    eval_data: Any = None
+    """A map-style dataset (or a callable returning one) evaluated under the run's strategy
+    every ``eval_every`` steps and at the call's last step: ``result.evals``
+    (``axon_nb.spec.eval_options``)."""
+    eval_every: int | None = None
+    """With ``eval_data``: evaluate every this many steps (None: only at the last step)."""
+    metrics: Mapping[str, Callable[..., Any]] | None = None
+    """With ``eval_data``: ``{"name": fn(output, target_or_batch) -> scalar}``, each a batch's
+    mean, reported as the sample-weighted mean over the whole evaluation set."""
+    log_to: tuple[str, ...] | None = None
+    """Experiment trackers the kernel writes the run's scalars to once per step:
+    ``"tensorboard"`` and/or ``"mlflow"`` (``axon_nb.spec.tracking_options``)."""
+    log_dir: str | None = None
+    """With ``log_to``: where TensorBoard events (and MLflow's store, unless
+    ``MLFLOW_TRACKING_URI`` is set) go; default ``runs/<name>``."""
+    trace: tuple[int, int] | None = None
+    """``(start_step, steps)``: ``torch.profiler`` traces every rank for ``steps`` steps from
+    the call's step ``start_step`` (the first is 1): one trace per rank in
+    ``result.trace_dir``."""
 
     @property
     def optimizer_kwargs(self) -> dict[str, Any]:
@@ -143,12 +163,14 @@ CALLER_DEFAULTS = {"model": None, "data": None, "strategy": None, "optimizer": N
 ``make_spec`` fills them in (the strategy's default, AdamW, a run resumed by name)."""
 
 CLUSTER_ONLY = ("metrics_interval_s", "checkpoint_dir", "checkpoint_every",
-                "checkpoint_every_s", "keep", "max_restarts", "min_ranks")  # fmt: skip
+                "checkpoint_every_s", "keep", "max_restarts", "min_ranks",
+                "log_to", "log_dir", "trace")  # fmt: skip
 """Options of a run on a cluster that ``train_local`` (one process) does not take."""
 
-COMPARE_SETS = ("strategy", "resume", "name", *CLUSTER_ONLY[1:])
+COMPARE_SETS = ("strategy", "resume", "name", *CLUSTER_ONLY[1:], "eval_data", "eval_every",
+                "metrics")  # fmt: skip
 """Options ``compare`` sets itself for every candidate (it streams metrics, so it takes
-``metrics_interval_s``)."""
+``metrics_interval_s``; it measures training steps, so it evaluates nothing)."""
 
 ADVISE_OPTIONS = ("batch_size", "optimizer", "mixed_precision")
 """The training options the advisor's predictions depend on (``batch_size`` may be left out
@@ -184,6 +206,7 @@ REQUIRED = object()
 def make_spec(default_strategy: type[Strategy], **kwargs: Any) -> TrainSpec:
     """Build a :class:`TrainSpec` from ``train()`` keywords, raising ``ValueError`` on bad input."""
     kwargs["strategy"] = resolve_strategy(kwargs.get("strategy"), default_strategy)
+    kwargs.update(tracking_options.normalize(kwargs))
     if kwargs.get("resume") and kwargs.get("optimizer") is None:
         kwargs["optimizer"] = ("adamw", {})  # a resumed run keeps its optimizer's settings
     else:
@@ -322,6 +345,8 @@ def _check(spec: TrainSpec) -> list[str]:
         errors.append(name_error)
     if spec.metrics_interval_s < 0:
         errors.append(f"metrics_interval_s must be >= 0, got {spec.metrics_interval_s!r}")
+    errors += eval_options.problems(spec.eval_data, spec.eval_every, spec.metrics)
+    errors += tracking_options.problems(spec.log_to, spec.trace, spec.steps)
     return errors + _check_checkpoints(spec)
 
 

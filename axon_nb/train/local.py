@@ -38,6 +38,9 @@ def train_local(
     seed: int = 0,
     resume: bool = False,
     name: str = "model",
+    eval_data: Any = None,
+    eval_every: int | None = None,
+    metrics: Mapping[str, Callable[..., Any]] | None = None,
     device: str = "cpu",
 ) -> TrainResult:
     """Run ``cluster.train``'s loop in this process on one ``device`` (default: the CPU).
@@ -79,6 +82,9 @@ def train_local(
         seed=seed,
         resume=resume,
         name=name,
+        eval_data=eval_data,
+        eval_every=eval_every,
+        metrics=metrics,
     )
     check_world(spec, 1)
     if is_dask_data(spec.data):  # the whole collection, computed here as one rank's pieces

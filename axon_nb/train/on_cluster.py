@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.spec.dask_rows import is_dask_data
@@ -52,6 +52,12 @@ def train(
     keep: int | None = None,
     max_restarts: int = 0,
     min_ranks: int | None = None,
+    eval_data: Any = None,
+    eval_every: int | None = None,
+    metrics: Mapping[str, Callable[..., Any]] | None = None,
+    log_to: str | Sequence[str] | None = None,
+    log_dir: str | os.PathLike[str] | None = None,
+    trace: tuple[int, int] | None = None,
     block: bool = True,
 ) -> TrainResult | TrainHandle:
     """Train ``model`` on every rank of ``cluster`` with ``strategy`` (default ``DDP()``).
@@ -125,6 +131,12 @@ def train(
         keep=keep,
         max_restarts=max_restarts,
         min_ranks=min_ranks,
+        eval_data=eval_data,
+        eval_every=eval_every,
+        metrics=metrics,
+        log_to=log_to,
+        log_dir=log_dir,
+        trace=trace,
     )
     check_world(spec, len(cluster.targets()), cluster.ranks_per_host)
     if is_dask_data(spec.data):
