@@ -62,7 +62,8 @@ class TrainResult:
     history: list[dict[str, Any]]
     """One entry per step: ``step``, ``loss`` (global mean), ``lr``, ``grad_norm``, ``samples``,
     ``samples_per_s``, ``step_time_s`` (slowest rank), ``comm_bytes``, ``comm_time_s`` and
-    ``per_rank`` (``loss``, ``step_time_s``, ``comm_bytes``, ``comm_time_s`` lists by rank)."""
+    ``per_rank`` (``loss``, ``step_time_s``, ``comm_bytes``, ``comm_time_s`` lists by rank);
+    at an evaluated step also ``eval`` (``loss``, metrics, ``samples``: see ``evals``)."""
     ranks: list[dict[str, Any]]
     """Per rank: ``device``, ``memory`` (bytes), ``comm_totals`` (per kind), ``elapsed_s``."""
     data_ended_at: int | None = None
@@ -112,6 +113,12 @@ class TrainResult:
             if b is not None
         ]
         return sum(values) / len(values) if values else None
+
+    @property
+    def evals(self) -> list[dict[str, Any]]:
+        """With ``eval_data``: one entry per evaluation, ``{"step", "loss", <metric>...,
+        "samples"}`` (sample-weighted means over the whole evaluation set), oldest first."""
+        return [{"step": h["step"], **h["eval"]} for h in self.history if h.get("eval")]
 
     @property
     def steps(self) -> int:
