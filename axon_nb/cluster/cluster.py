@@ -309,6 +309,28 @@ class Cluster(Transport):
         """
         return features.evaluate(**_forward(locals()))
 
+    def predict(
+        self, data: Any, *, batch_size: int, name: str = "model",
+        output_dir: str | os.PathLike[str] | None = None,
+    ) -> Any:  # fmt: skip
+        """The held model's outputs for every item of ``data``, in data order, as CPU tensors:
+        :func:`axon_nb.train.predict.predict`. Example::
+
+        logits = cluster.predict(test_ds, batch_size=64)
+        """
+        return features.predict(**_forward(locals()))
+
+    def generate(
+        self, input_ids: Any, *, max_new_tokens: int, attention_mask: Any = None,
+        seed: int | None = None, name: str = "model", **generate_kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """Continue prompts with the held transformers causal LM (DDP, FSDP, tensor parallel):
+        :func:`axon_nb.train.generate.generate`. Example::
+
+        cluster.generate(ids, max_new_tokens=20, do_sample=True, top_k=50, seed=0)
+        """
+        return features.generate(**_forward(locals()))
+
     def save(
         self, path: str | os.PathLike[str], kind: str = "full", *, name: str = "model",
         overwrite: bool = False, private: bool = True, format: str = "torch",

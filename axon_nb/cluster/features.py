@@ -8,6 +8,10 @@ from axon_nb.checkpoint.on_cluster import load, rescue, save
 from axon_nb.cluster.bandwidth import bandwidth
 from axon_nb.train.compare import compare
 from axon_nb.train.evaluate import evaluate
+from axon_nb.train.generate import generate
 from axon_nb.train.on_cluster import train
+from axon_nb.train.predict import predict
 
-__all__ = ["bandwidth", "compare", "evaluate", "load", "rescue", "save", "train"]
+__all__ = [
+    "bandwidth", "compare", "evaluate", "generate", "load", "predict", "rescue", "save", "train",
+]  # fmt: skip

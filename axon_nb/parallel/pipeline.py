@@ -143,7 +143,7 @@ class PipelinedModel(nn.Module):
         before = (self.forward_s, self.backward_s)
         started = time.perf_counter()
         losses: list[torch.Tensor] = []
-        for inputs, target in map(self._pair, microbatches):
+        for inputs, target in (self.pair(b, micro.loss_fn) for b in microbatches):
             args = (inputs,) if self.has_first else ()
             step_losses: list[torch.Tensor] = []  # the schedule's, one per micro-batch
             with micro.autocast():
@@ -165,16 +165,17 @@ class PipelinedModel(nn.Module):
             return torch.zeros((), device=next(self.parameters()).device)
         return torch.stack(losses).sum()
 
-    def _pair(self, batch: Any) -> tuple[Any, Any]:
+    def pair(self, batch: Any, loss_fn: Callable[..., Any] | None) -> tuple[Any, Any]:
         """A micro-batch as (what the first stage reads, what the loss compares with): an
-        (input, target) pair as it is; a Mapping as its input ids and ``labels``."""
+        (input, target) pair as it is (``loss_fn`` is then required); a Mapping as its input
+        ids and ``labels``."""
         if not isinstance(batch, Mapping):
             if not (isinstance(batch, tuple | list) and len(batch) == 2):
                 raise TypeError(
                     "a pipeline trains on (input, target) pairs or Mappings with input_ids and "
                     f"labels; a batch came as {type(batch).__name__}"
                 )
-            if self._micro is not None and self._micro.loss_fn is None:
+            if loss_fn is None:
                 raise ValueError(
                     "a pipeline computes the loss on its last stage: pass loss=loss(output, "
                     "target) (for axon_nb.models.GPT: loss=axon_nb.models.lm_loss), or give "
@@ -187,13 +188,19 @@ class PipelinedModel(nn.Module):
         """The micro-batch's loss (the user's, or the model's own on its labels), scaled so
         that gradients sum to the step mean (and by the fp16 loss scale, when there is one)."""
         assert self._micro is not None
-        if self._micro.loss_fn is not None:
-            loss = self._micro.loss_fn(output, target)
-        else:
-            assert self._own_loss is not None
-            vocab = getattr(getattr(self.root, "config", None), "vocab_size", output.shape[-1])
-            loss = self._own_loss(logits=output, labels=target, vocab_size=vocab)
+        loss = self.loss(output, target, self._micro.loss_fn)
         return self._micro.scale(loss.float() * self._loss_scale)
+
+    def loss(
+        self, output: torch.Tensor, target: Any, loss_fn: Callable[..., Any] | None
+    ) -> torch.Tensor:
+        """The last stage's loss of a micro-batch: ``loss_fn(output, target)``, or with None
+        the model's own on its labels (a transformers model's ``loss_function``)."""
+        if loss_fn is not None:
+            return loss_fn(output, target)
+        assert self._own_loss is not None
+        vocab = getattr(getattr(self.root, "config", None), "vocab_size", output.shape[-1])
+        return self._own_loss(logits=output, labels=target, vocab_size=vocab)
 
     def _build_schedule(self, name: str, device: torch.device) -> Any:
         stages = [

@@ -241,3 +241,29 @@ def evaluate(
         from axon_nb.rank.training.evaluation import evaluate_run
 
     return evaluate_run(name, data, loss=loss, metrics=metrics, batch_size=batch_size)
+
+
+def predict(name: str, data: Any, batch_size: int, output_dir: str | None) -> Any:
+    """Outputs of run ``name``'s model for every item of ``data`` (``Cluster.predict``)."""
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
+
+    with import_safe_interrupts():
+        from axon_nb.rank.training.prediction import predict_run
+
+    return predict_run(name, data, batch_size=batch_size, output_dir=output_dir)
+
+
+def generate(
+    name: str, input_ids: Any, attention_mask: Any, seed: int, max_new_tokens: int,
+    options: dict[str, Any],
+) -> Any:  # fmt: skip
+    """Run ``name``'s causal LM's ``generate`` on every rank (``Cluster.generate``)."""
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
+
+    with import_safe_interrupts():
+        from axon_nb.rank.training.generation import generate_run
+
+    return generate_run(
+        name, input_ids, attention_mask=attention_mask, seed=seed,
+        max_new_tokens=max_new_tokens, options=options,
+    )  # fmt: skip

@@ -28,8 +28,9 @@ def problems(
     if eval_data is None:
         given = [n for n, v in (("eval_every", eval_every), ("metrics", metrics)) if v]
         if given:
+            verb = "needs" if len(given) == 1 else "need"
             errors.append(
-                f"{' and '.join(given)} need eval_data=: the dataset (or a callable returning "
+                f"{' and '.join(given)} {verb} eval_data=: the dataset (or a callable returning "
                 "one) to evaluate, e.g. eval_data=val_ds"
             )
     elif not callable(eval_data) and not hasattr(eval_data, "__getitem__"):

@@ -17,8 +17,9 @@ TRACKERS = ("tensorboard", "mlflow")
 
 
 def normalize(options: dict[str, Any]) -> dict[str, Any]:
-    """``log_to`` as a tuple, ``log_dir`` absolute (default ``runs/<name>``), ``trace`` as a
-    tuple; only the keys present in ``options`` (``train_local`` has none of them)."""
+    """``log_to`` as a tuple, ``log_dir`` absolute (default ``runs/<name>`` when something is
+    logged or traced), ``trace`` as a tuple; only the keys present in ``options``
+    (``train_local`` has none of them)."""
     out: dict[str, Any] = {}
     log_to = options.get("log_to")
     if isinstance(log_to, str):
@@ -29,7 +30,7 @@ def normalize(options: dict[str, Any]) -> dict[str, Any]:
         out["log_to"] = log_to or None
     if "log_dir" in options:
         log_dir = options.get("log_dir")
-        if log_dir is None and log_to:
+        if log_dir is None and (log_to or options.get("trace")):
             log_dir = os.path.join("runs", str(options.get("name") or "model"))
         out["log_dir"] = os.path.abspath(os.fspath(log_dir)) if log_dir is not None else None
     trace = options.get("trace")

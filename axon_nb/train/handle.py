@@ -13,6 +13,7 @@ from axon_nb.cluster.hangs import HangWatch
 from axon_nb.cluster.waiting import describe_error, results
 from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.result import TrainResult, build_result, merge_records
+from axon_nb.train.trace_report import trace_table
 from axon_nb.widgets.dashboard import Dashboard
 
 if TYPE_CHECKING:
@@ -222,6 +223,9 @@ class TrainHandle:
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
             )
             self._result.dashboard = self.dashboard
+            if self._result.traces:
+                print(trace_table(self._result.traces))
+                self.dashboard.trace_summary = self._result.traces
             if self._result.stopped:
                 print(
                     f"Training stopped at step {self._result.step} on every rank; "

@@ -74,6 +74,9 @@ class TrainResult:
     restarts: list[dict[str, Any]] = field(default_factory=list)
     """With ``max_restarts``: each recovery (``error``, ``failed_at_step``, ``resumed_from``,
     ``seconds``), oldest first; ``history`` runs on through them as one."""
+    traces: list[dict[str, Any] | None] | None = None
+    """With ``trace=``: each rank's trace summary (``path``, ``steps``, ``top_ops``,
+    ``compute_ms``, ``comm_ms``, ``comm_share``), rank order; see ``trace_dir``."""
     model: Any = field(default=None, repr=False)
     """``train_local`` only: the trained module itself."""
     dashboard: Any = field(default=None, repr=False)
@@ -121,6 +124,15 @@ class TrainResult:
         return [{"step": h["step"], **h["eval"]} for h in self.history if h.get("eval")]
 
     @property
+    def trace_dir(self) -> str | None:
+        """With ``trace=``: the directory of the ranks' Chrome/Perfetto traces
+        (``rank<r>.pt.trace.json``); None without one."""
+        import os
+
+        paths = [t["path"] for t in self.traces or [] if t is not None]
+        return os.path.dirname(paths[0]) if paths else None
+
+    @property
     def steps(self) -> int:
         """Steps run by this call."""
         return self.step - self.start_step
@@ -161,6 +173,7 @@ def build_result(
         history=merge_records(by_rank),
         checkpoint=summaries[0].get("checkpoint"),
         data_ended_at=summaries[0].get("data_ended_at"),
+        traces=[s.get("trace") for s in summaries] if summaries[0].get("trace") else None,
         ranks=[
             {k: s[k] for k in ("rank", "device", "memory", "comm_totals", "elapsed_s")}
             for s in summaries

@@ -1,7 +1,10 @@
-// axon_nb training dashboard: progress, loss chart, memory and communication per rank.
-// Plain DOM + SVG; the kernel sends new loss points as {type: "append"} messages.
+// axon_nb training dashboard: progress, loss chart (training and eval), memory and
+// communication per rank. Plain DOM + SVG; the kernel sends new loss and eval points as
+// {type: "append"} messages. export.py draws the same charts in Python for saved pages.
 
-const COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f"];
+const TRAIN_COLOR = "#1f77b4";
+const RANK_COLORS = ["#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22"];
+const EVAL_COLOR = "#c2185b";
 
 function el(tag, attrs = {}, children = []) {
   const node = document.createElement(tag);
@@ -40,17 +43,27 @@ function linePath(xs, ys, sx, sy) {
   return d;
 }
 
+function evalText(evals) {
+  const last = evals[evals.length - 1];
+  if (!last) return "";
+  const figures = Object.entries(last).filter(([k, v]) => k !== "step" && typeof v === "number")
+    .map(([k, v]) => `${k} ${k === "samples" ? v : v.toPrecision(4)}`);
+  return `eval at step ${last.step}: ${figures.join(" · ")}`;
+}
+
 function drawLoss(box, series, perRank) {
   const W = 460, H = 180, L = 48, R = 8, T = 8, B = 22;
   const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "axon-chart" });
-  const xs = series.steps, lines = [series.global];
+  const evals = series.eval.filter((e) => e.loss != null && isFinite(e.loss));
+  const xs = series.steps, lines = [series.global, evals.map((e) => e.loss)];
   if (perRank) lines.push(...series.per_rank);
   const all = lines.flat().filter((v) => v != null && isFinite(v));
   if (!xs.length || !all.length) {
     box.replaceChildren(el("div", { class: "axon-empty" }, ["waiting for the first steps…"]));
     return;
   }
-  const x0 = xs[0], x1 = Math.max(xs[xs.length - 1], x0 + 1);
+  const steps = [xs[0], xs[xs.length - 1], ...evals.map((e) => e.step)];
+  const x0 = Math.min(...steps), x1 = Math.max(...steps, x0 + 1);
   const y0 = Math.min(...all), y1 = Math.max(...all, y0 + 1e-12);
   const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
   const sy = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
@@ -68,15 +81,37 @@ function drawLoss(box, series, perRank) {
   }
   if (perRank) {
     series.per_rank.forEach((ys, r) => chart.append(svg("path", {
-      d: linePath(xs, ys, sx, sy), class: "axon-rank-line", stroke: COLORS[r % COLORS.length],
+      d: linePath(xs, ys, sx, sy), class: "axon-rank-line", stroke: RANK_COLORS[r % RANK_COLORS.length],
     })));
   }
   chart.append(svg("path", { d: linePath(xs, series.global, sx, sy), class: "axon-loss-line" }));
-  box.replaceChildren(chart);
+  const legend = [["train loss", TRAIN_COLOR]];
+  if (evals.length) {
+    chart.append(svg("path", {
+      d: linePath(evals.map((e) => e.step), evals.map((e) => e.loss), sx, sy), class: "axon-eval-line",
+    }));
+    for (const e of evals.length <= 200 ? evals : []) {
+      chart.append(svg("circle", { cx: sx(e.step), cy: sy(e.loss), r: 2.5, class: "axon-eval-dot" }));
+    }
+    legend.push(["eval loss", EVAL_COLOR]);
+  }
+  legend.forEach(([label, color], i) => {
+    const t = svg("text", { x: W - R - 4, y: T + 10 + 12 * i, "text-anchor": "end", class: "axon-legend", fill: color });
+    t.textContent = label;
+    chart.append(t);
+  });
+  box.replaceChildren(chart, el("div", { class: "axon-eval-text" }, [evalText(evals)]));
+}
+
+function cell(value) {
+  if (Array.isArray(value)) {
+    return value.map((v) => (Array.isArray(v) ? `${v[0]} ${Number(v[1]).toFixed(2)} ms` : `${v}`)).join(" · ");
+  }
+  return typeof value === "number" && !Number.isInteger(value) ? value.toPrecision(3) : `${value ?? "–"}`;
 }
 
 function render({ model, el: root }) {
-  let series = { steps: [], global: [], per_rank: [] };
+  let series = { steps: [], global: [], per_rank: [], eval: [] };
   let perRank = false;
   const head = el("div", { class: "axon-head" });
   const bar = el("progress", { class: "axon-progress", max: "1", value: "0" });
@@ -87,6 +122,7 @@ function render({ model, el: root }) {
   const commBox = el("div", { class: "axon-comm" });
   const errors = el("div", { class: "axon-errors" });
   const hang = el("pre", { class: "axon-hang" });
+  const traceBox = el("div", { class: "axon-trace" });
   toggle.addEventListener("change", () => { perRank = toggle.checked; drawLoss(lossBox, series, perRank); });
   root.classList.add("axon-dashboard");
   root.append(
@@ -95,8 +131,20 @@ function render({ model, el: root }) {
     lossBox,
     el("div", { class: "axon-section" }, ["Memory per rank"]), memoryBox,
     el("div", { class: "axon-section" }, ["Communication per rank (per step)"]), commBox,
-    errors, hang,
+    traceBox, errors, hang,
   );
+
+  function drawTrace() {
+    const rows = model.get("trace_summary") || [];
+    const keys = [...new Set(rows.flatMap((r) => Object.keys(r)))];
+    traceBox.replaceChildren(...(rows.length ? [
+      el("div", { class: "axon-section" }, ["Trace summary"]),
+      el("table", { class: "axon-table" }, [
+        el("tr", {}, keys.map((k) => el("th", {}, [k]))),
+        ...rows.map((r) => el("tr", {}, keys.map((k) => el("td", {}, [cell(r[k])])))),
+      ]),
+    ] : []));
+  }
 
   function drawHead() {
     const chips = model.get("ranks").map((r) =>
@@ -159,7 +207,10 @@ function render({ model, el: root }) {
 
   function setLoss() {
     const full = model.get("loss");
-    series = { steps: [...(full.steps || [])], global: [...(full.global || [])], per_rank: (full.per_rank || []).map((s) => [...s]) };
+    series = {
+      steps: [...(full.steps || [])], global: [...(full.global || [])],
+      per_rank: (full.per_rank || []).map((s) => [...s]), eval: [...(full.eval || [])],
+    };
     drawLoss(lossBox, series, perRank);
   }
 
@@ -172,14 +223,17 @@ function render({ model, el: root }) {
       series.global.push(loss);
       series.per_rank.forEach((s) => s.push(null));
     }
+    const lastEval = series.eval.length ? series.eval[series.eval.length - 1].step : -Infinity;
+    for (const e of msg.evals || []) if (e.step > lastEval) series.eval.push(e);
     drawLoss(lossBox, series, perRank);
     root.setAttribute("data-points", series.steps.length);
   });
   for (const [name, draw] of [["ranks", drawHead], ["title", drawHead], ["progress", drawProgress],
-    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss], ["hang_report", drawHang]]) {
+    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss], ["hang_report", drawHang],
+    ["trace_summary", drawTrace]]) {
     model.on(`change:${name}`, draw);
   }
-  drawHead(); drawProgress(); drawMemory(); drawComm(); setLoss(); drawHang();
+  drawHead(); drawProgress(); drawMemory(); drawComm(); setLoss(); drawHang(); drawTrace();
 }
 
 export default { render };

@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
+EVAL_COLOR = "#c2185b"
+"""The evaluation loss, here as on the dashboard (a colour no rank's line takes)."""
+
 
 class TrainResult(Protocol):
     """What a plot reads of a ``axon_nb.train.TrainResult`` (this module does not import
@@ -20,19 +23,29 @@ class TrainResult(Protocol):
 
 
 def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:
-    """Loss per step, model-state memory per rank and communication share per rank."""
+    """Loss per step (training, per rank, evaluation), model-state memory per rank and
+    communication share per rank.
+
+    Example::
+
+        plot_result(result, "run.png")   # what ``result.plot("run.png")`` does
+    """
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(12, 3.6), layout="constrained")
     loss_ax, memory_ax, comm_ax = fig.subplots(1, 3)
     steps = [h["step"] for h in result.history]
-    loss_ax.plot(steps, result.losses, label="global mean", linewidth=2)
+    loss_ax.plot(steps, result.losses, label="train loss (global mean)", linewidth=2)
     if result.history and len(result.ranks) > 1:
         for rank in range(len(result.ranks)):
             per_rank = [h["per_rank"]["loss"][rank] for h in result.history]
             if all(value is None for value in per_rank):
                 continue  # a rank that computes no loss (an earlier pipeline stage)
             loss_ax.plot(steps, per_rank, linewidth=0.8, alpha=0.6, label=f"rank {rank}")
+    evals = [h for h in result.history if (h.get("eval") or {}).get("loss") is not None]
+    if evals:
+        eval_steps, eval_loss = [h["step"] for h in evals], [h["eval"]["loss"] for h in evals]
+        loss_ax.plot(eval_steps, eval_loss, "o--", color=EVAL_COLOR, label="eval loss", ms=3)
     loss_ax.set(title=f"{result.name}: loss", xlabel="step")
     loss_ax.legend(fontsize=7)
 

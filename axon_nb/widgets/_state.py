@@ -16,7 +16,8 @@ MAX_POINTS = 400
 
 
 class DashboardState:
-    """Folds per-rank publications into progress, loss, memory, communication and status.
+    """Folds per-rank publications into progress, loss (training and evaluation), memory,
+    communication and status.
 
     Example::
 
@@ -40,7 +41,13 @@ class DashboardState:
         self.loss: list[float] = []
         self.rank_loss: dict[int, dict[int, float]] = {r: {} for r in range(world_size)}
         self.rates: dict[int, float] = {}
+        self.evals: dict[int, dict[str, Any]] = {}
+        """Evaluations by step (``loss``, metrics, ``samples``), as the records carry them."""
+        self.trace_summary: list[dict[str, Any]] = []
+        """Per rank, what a ``trace`` found (``rank``, ``top_ops`` as ``(name, self_ms)``,
+        ``comm_share``, ...); empty until something fills it."""
         self._pending: list[tuple[int, float]] = []
+        self._pending_evals: list[dict[str, Any]] = []
         self.frozen = False
 
     # -- input -----------------------------------------------------------------------------
@@ -67,8 +74,19 @@ class DashboardState:
                 self.loss.append(record["loss"])
                 self._pending.append((step, record["loss"]))
                 last = step
+            self._take_eval(step, record.get("eval"))
         if len(self.steps) > 2 * self.max_points:
             self._thin()
+
+    def _take_eval(self, step: int, evaluation: dict[str, Any] | None) -> None:
+        """Keep an evaluation once (every rank reports the same one), newer steps only."""
+        if not evaluation or (self.evals and step <= max(self.evals)):
+            return
+        self.evals[step] = evaluation
+        self._pending_evals.append({"step": step, **evaluation})
+        if len(self.evals) > 2 * self.max_points:
+            kept = sorted(self.evals)[::-1][::2]  # every other one, the newest kept
+            self.evals = {s: self.evals[s] for s in sorted(kept)}
 
     def _thin(self) -> None:
         """Drop every other point, per-rank losses of the dropped steps too (bounded memory)."""
@@ -160,15 +178,22 @@ class DashboardState:
                     [self.rank_loss.get(r, {}).get(s) for s in self.steps]
                     for r in range(self.world_size)
                 ],
+                "eval": [{"step": s, **e} for s, e in sorted(self.evals.items())],
             },
             "memory": self.memory(),
             "comm": self.comm(),
             "frozen": self.frozen,
+            "trace_summary": list(self.trace_summary),
         }
 
     def take_new_points(self) -> list[tuple[int, float]]:
         """Global-loss points added since the last call (for incremental chart updates)."""
         taken, self._pending = self._pending, []
+        return taken
+
+    def take_new_evals(self) -> list[dict[str, Any]]:
+        """Evaluations (``{"step", "loss", ...}``) added since the last call."""
+        taken, self._pending_evals = self._pending_evals, []
         return taken
 
     def _recent_throughput(self) -> float:

@@ -1,10 +1,12 @@
-"""``Dashboard``: one live widget per training run (progress, loss, memory, communication, status).
+"""``Dashboard``: one live widget per training run (progress, training and evaluation loss,
+memory, communication, status).
 
 Built on anywidget: a handful of synced traits plus a small bundled chart script
 (``_dashboard.js``, plain SVG, no third-party chart library). Updates are throttled to
-``UPDATE_S`` and incremental: new loss points travel as an ``append`` message; the whole loss
-series (thinned to at most ``2 x MAX_POINTS`` points) is re-synced only every ``FULL_SYNC_S`` and
-when the run ends, so a re-displayed or exported widget still has it.
+``UPDATE_S`` and incremental: new loss and evaluation points travel as an ``append`` message;
+the whole series (thinned to at most ``2 x MAX_POINTS`` points) is re-synced only every
+``FULL_SYNC_S`` and when the run ends, so a re-displayed widget still has it. ``save`` writes
+a self-contained page drawn here in Python (``export.py``), not the widget.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class Dashboard(anywidget.AnyWidget):
     frozen = traitlets.Bool(False).tag(sync=True)
     hang_report = traitlets.Unicode("").tag(sync=True)
     """Where the ranks were when the run stopped making progress (empty while it makes some)."""
+    trace_summary = traitlets.List().tag(sync=True)
+    """Per rank, what a ``trace`` found (``rank``, ``top_ops``, ``comm_share``...); or empty."""
 
     def __init__(self, world_size: int, *, title: str = "", **kwargs: Any) -> None:
         super().__init__(title=title, **kwargs)
@@ -95,16 +99,35 @@ class Dashboard(anywidget.AnyWidget):
         with self._lock:
             self.hang_report = report
 
+    def show_trace(self, rows: list[dict[str, Any]]) -> None:
+        """Show a trace summary: one row per rank (``rank``, ``top_ops`` as ``(name, self_ms)``
+        pairs, ``comm_share``, ...); the page ``save`` writes has it too."""
+        with self._lock:
+            self.state.trace_summary = list(rows)
+            self._refresh(full=False)
+
     # -- export ----------------------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:
-        """Write a standalone HTML page with the widget and its state embedded."""
-        from ipywidgets.embed import embed_minimal_html
+        """Write one self-contained HTML page of the run and return its path.
+
+        The charts (training and evaluation loss, per-rank loss, memory and communication per
+        rank) are inline SVG, statuses and the trace summary tables: no script, no network, so
+        the page reads the same with JavaScript off or on an air-gapped machine.
+
+        Example::
+
+            result.dashboard.save("run.html")
+        """
+        from axon_nb.widgets.export import render_html
 
         with self._lock:
-            self._refresh(full=True)
+            snapshot = self.state.snapshot()
+            page = render_html(
+                snapshot, title=self.title or "axon_nb run", hang_report=self.hang_report
+            )
         path = Path(path)
-        embed_minimal_html(path, views=[self], title=self.title or "axon_nb run")
+        path.write_text(page, encoding="utf-8")
         return path
 
     # -- internals -------------------------------------------------------------------------
@@ -112,16 +135,18 @@ class Dashboard(anywidget.AnyWidget):
     def _refresh(self, *, full: bool) -> None:
         snapshot = self.state.snapshot()
         points = self.state.take_new_points()
+        evals = self.state.take_new_evals()
         with self.hold_sync():
             self.progress = snapshot["progress"]
             self.ranks = snapshot["ranks"]
             self.memory = snapshot["memory"]
             self.communication = snapshot["comm"]
             self.frozen = snapshot["frozen"]
+            self.trace_summary = snapshot["trace_summary"]
             if full:
                 self.loss = snapshot["loss"]
-        if points and not full:
-            self.send({"type": "append", "points": points})
+        if (points or evals) and not full:
+            self.send({"type": "append", "points": points, "evals": evals})
         now = time.monotonic()
         self._last_update = now
         if full:

@@ -22,19 +22,22 @@ from axon_nb.metrics import memory
 from axon_nb.metrics.comm import CommMeter
 from axon_nb.metrics.peak import PeakTracker
 from axon_nb.metrics.stream import MetricsPublisher
-from axon_nb.parallel.grad_scaler import GradScaler
-from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
+from axon_nb.parallel.parallelize import parallelize
 from axon_nb.parallel.param_groups import GroupPlan, plan_groups
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.data.iterable import IterableSteps
 from axon_nb.rank.data.shards import StepBatches, resolve_dataset
+from axon_nb.rank.observe.step_trace import StepTrace
 from axon_nb.rank.training import meta_init, model_loss, trainstate
 from axon_nb.rank.training.agreement import StepAgreement
+from axon_nb.rank.training.evaluation import PeerEvalFailed
+from axon_nb.rank.training.optimizer_setup import grad_scaler, optimizer_factory
+from axon_nb.rank.training.periodic_eval import PeriodicEval
 from axon_nb.rank.training.trainstate import LRShape, TrainState
 from axon_nb.rank.world.interrupts import StopSignal
 from axon_nb.spec.pretrained_model import PretrainedModel
-from axon_nb.spec.train_spec import OPTIMIZERS, TrainSpec
+from axon_nb.spec.train_spec import TrainSpec
 
 
 def train_on_rank(spec_bytes: bytes, run_id: str, stop: StopSignal) -> dict[str, Any]:
@@ -70,8 +73,8 @@ def run(
     # collectives) and stops the run at its first step boundary; a second one interrupts.
     with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
         try:
-            state, batches = _prepare(spec, ctx)
-        except _PeerFailed as e:
+            state, batches, evals = _prepare(spec, ctx)
+        except (_PeerFailed, PeerEvalFailed) as e:
             return {"rank": ctx.rank, "aborted": e.ranks}, None
         start_step = state.step
         # from_pretrained returns a model in eval mode: dropout would silently stay off
@@ -88,6 +91,7 @@ def run(
             interval_s=spec.metrics_interval_s,
         )
         loop = _Loop(spec, ctx, state, publisher, run_id)
+        loop.evals = evals
         try:
             with loop.meter.installed():
                 loop.run(batches, stop)
@@ -96,6 +100,9 @@ def run(
         except BaseException as e:
             loop.publish("failed", error=f"{type(e).__name__}: {e}")
             raise
+        finally:
+            if loop.trace is not None:
+                loop.trace.close()
     status = "stopped" if loop.stopped else "finished"
     loop.publish(status)
     summary = {
@@ -110,6 +117,7 @@ def run(
         "elapsed_s": time.monotonic() - loop.started,
         "checkpoint": loop.checkpoints.last if loop.checkpoints is not None else None,
         "data_ended_at": loop.data_ended_at,
+        "trace": loop.trace.summary if loop.trace is not None else None,
     }
     return summary, state
 
@@ -123,9 +131,12 @@ class _PeerFailed(Exception):
         self.ranks = ranks
 
 
-def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batches]:
-    """The run's state (fresh or resumed) and its data; user code failing on some ranks only
-    is agreed on first, so no rank is left waiting in a collective."""
+def _prepare(
+    spec: TrainSpec, ctx: runtime.RankContext
+) -> tuple[TrainState, Batches, PeriodicEval | None]:
+    """The run's state (fresh or resumed), its data and its evaluations (checked on their
+    first batch before anything is stored); user code failing on some ranks only is agreed
+    on first, so no rank is left waiting in a collective."""
     if spec.resume:
         return _resume(spec, ctx)
 
@@ -178,15 +189,18 @@ def _prepare(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Bat
         scheduler=scheduler,
         lr_shape=lr_shape,
         own_scheduler=spec.scheduler is not None,
-        scaler=_grad_scaler(ctx) if spec.mixed_precision == "fp16" else None,
+        scaler=grad_scaler(ctx) if spec.mixed_precision == "fp16" else None,
         dataset=dataset,
     )
+    evals = _evaluations(spec, ctx, state)
     torch.manual_seed(spec.seed + 1 + ctx.rank)  # dropout and friends differ across ranks
     trainstate.put(state)
-    return state, batches
+    return state, batches, evals
 
 
-def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batches]:
+def _resume(
+    spec: TrainSpec, ctx: runtime.RankContext
+) -> tuple[TrainState, Batches, PeriodicEval | None]:
     state = trainstate.get(spec.name)
     if spec.strategy != state.strategy:
         raise ValueError(
@@ -210,13 +224,14 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batc
             f"{spec.name!r} runs with its own scheduler=, which sets the learning rate; resume "
             "without optimizer lr (other settings may change), or train afresh"
         )
+    evals = _evaluations(spec, ctx, state)
     # Only now, with every input checked, does the stored state change.
     state.dataset = dataset
     # a group keeps what it chose itself (param_groups=, no_decay=): e.g. its own lr
     for index, group in enumerate(state.optimizer.param_groups):
         group.update({k: v for k, v in changes.items() if not plan.sets_itself(index, k)})
     if state.own_scheduler:  # its own schedule goes on where it was
-        return state, batches
+        return state, batches, evals
     if "lr" in changes:
         state.scheduler.base_lrs = [
             base if plan.sets_itself(index, "lr") else changes["lr"]
@@ -230,7 +245,19 @@ def _resume(spec: TrainSpec, ctx: runtime.RankContext) -> tuple[TrainState, Batc
     factor = state.lr_shape(state.step)
     for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs, strict=True):
         group["lr"] = base * factor
-    return state, batches
+    return state, batches, evals
+
+
+def _evaluations(spec: TrainSpec, ctx: runtime.RankContext, state: TrainState) -> Any:
+    """The run's :class:`PeriodicEval` with its first batch evaluated (None without
+    ``eval_data``); its data is resolved on every rank first (agreed)."""
+    if spec.eval_data is None:
+        return None
+    autocast = _MicroStep(spec, ctx, None, state.module).autocast
+    last = state.step + spec.steps
+    evals = _agreed(ctx, lambda: PeriodicEval(spec, ctx, state, autocast, last_step=last))
+    evals.check()
+    return evals
 
 
 def _check_same_groups(spec: TrainSpec, state: TrainState) -> None:
@@ -260,34 +287,6 @@ def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> Batches
     if isinstance(dataset, IterableDataset):
         return IterableSteps(dataset, **common)
     return StepBatches(dataset, seed=spec.seed, **common)
-
-
-def optimizer_factory(spec: TrainSpec, device: torch.device) -> OptimizerFactory:
-    """The run's optimizer: a named ``torch.optim`` class with its settings, or the user's
-    callable. On a GPU, Adam and AdamW take PyTorch's fused kernel unless the settings choose
-    an implementation (``fused`` or ``foreach``) or the run scales fp16 losses."""
-    if callable(spec.optimizer):
-        return OptimizerFactory(make=spec.optimizer)
-    name, kwargs = spec.optimizer
-    kwargs = dict(kwargs)
-    # (not with fp16: the agreed loss scaler unscales and votes on infs before the step,
-    # which the fused kernels' own scaling path does not expect)
-    chosen = {"fused", "foreach"} & kwargs.keys()
-    if device.type == "cuda" and name in FUSED and not chosen and spec.mixed_precision != "fp16":
-        kwargs["fused"] = True
-    return OptimizerFactory(getattr(torch.optim, OPTIMIZERS[name]), kwargs)
-
-
-FUSED = ("adam", "adamw")
-"""Named optimizers that default to ``fused=True`` on CUDA ranks."""
-
-
-def _grad_scaler(ctx: runtime.RankContext) -> torch.amp.GradScaler:
-    """fp16 loss scaling; in a process group, ranks agree on skipping a step (each may see
-    only part of the gradients)."""
-    if dist.is_initialized():
-        return GradScaler(ctx.device.type)
-    return torch.amp.GradScaler(ctx.device.type)
 
 
 def _agreed(ctx: runtime.RankContext, fn: Any) -> Any:
@@ -329,6 +328,13 @@ class _Loop:
         self._records: deque[dict[str, Any]] = deque()
         """Metrics of steps whose agreement is not read yet (see ``agreement.py``)."""
         self.micro = _MicroStep(spec, ctx, state.scaler, state.module)
+        self.evals: PeriodicEval | None = None
+        self.trace = None
+        if spec.trace is not None:
+            log_dir = spec.log_dir or "runs"
+            self.trace = StepTrace(
+                spec.trace, log_dir=log_dir, run_id=run_id, rank=ctx.rank, device=ctx.device
+            )
         self.replicas = state.parallel.dims.dp
         """Data-parallel replicas: gradients are averaged over them."""
         self.stopped = False
@@ -363,7 +369,11 @@ class _Loop:
         for i, microbatches in zip(
             range(self.spec.steps), batches.on_device(self.state.step), strict=False
         ):
+            if self.trace is not None:
+                self.trace.before(i + 1)
             self.step(microbatches, stop, last=i == self.spec.steps - 1, started=started)
+            if self.trace is not None:
+                self.trace.after(i + 1)
             started = time.perf_counter()
             if self.stopped:
                 return
@@ -410,6 +420,7 @@ class _Loop:
         comm = self.meter.take()
         self._records.append(
             {
+                **(self.evals.after_step(state.step, self.meter) if self.evals else {}),
                 "step": state.step,
                 "lr": lr,
                 "samples": spec.batch_size,

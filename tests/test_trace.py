@@ -1,0 +1,57 @@
+"""``trace=(start_step, steps)``: a Chrome/Perfetto trace per rank of exactly those steps, the
+collectives in it by name, a summary table on the kernel; bad steps refused before the run."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+import axon_nb
+from axon_nb import DDP
+from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+RUN: dict[str, Any] = dict(
+    model=lambda: GPT(CONFIG),
+    data=lambda: token_dataset(128, block_size=16, vocab_size=64),
+    loss=lm_loss,
+    batch_size=16,
+    strategy=DDP(),
+)
+
+
+def test_each_rank_traces_only_the_asked_steps(
+    cluster: axon_nb.Cluster, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = cluster.train(**RUN, steps=6, trace=(3, 2), log_dir=tmp_path)
+    assert result.trace_dir is not None and result.trace_dir.startswith(str(tmp_path))
+    names = sorted(os.listdir(result.trace_dir))
+    assert names == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
+    for rank, name in enumerate(names):
+        events = json.loads((tmp_path / result.trace_dir / name).read_text())["traceEvents"]
+        labels = [str(e.get("name", "")) for e in events]
+        # two optimizer steps were traced: steps 3 and 4, no other
+        assert sum(label.startswith("Optimizer.step#AdamW.step") for label in labels) == 2
+        assert any("all_reduce" in label or "allreduce" in label for label in labels), rank
+        summary = result.traces[rank]
+        assert summary["steps"] == [3, 4]
+        assert summary["top_ops"] and summary["comm_ms"] > 0
+        assert 0 < summary["comm_share"] < 1
+    printed = capsys.readouterr().out
+    assert "compute ms" in printed and "slowest: rank" in printed
+    assert len(result.losses) == 6
+
+
+def test_trace_steps_outside_the_run_are_refused(cluster: axon_nb.Cluster) -> None:
+    with pytest.raises(ValueError, match="past this call's 6 steps"):
+        cluster.train(**RUN, steps=6, trace=(5, 3))
+    with pytest.raises(ValueError, match="the call's first step is 1"):
+        cluster.train(**RUN, steps=6, trace=(0, 2))
+    with pytest.raises(ValueError, match=r"trace must be \(start_step, steps\)"):
+        cluster.train(**RUN, steps=6, trace=3)
+    assert cluster.run(lambda: 1) == [1, 1]
