@@ -1,11 +1,14 @@
-"""The dashboard fed with a recorded metrics stream (2 ranks): widget state, throttling, export.
+"""The dashboard fed with a recorded metrics stream (2 ranks): widget state, throttling,
+evaluation points, export.
 
 The stream in ``data/stream_2ranks.json`` was recorded from real runs (``TrainHandle``'s
 listener): one finished 120-step run, and one where rank 1 raised at its 60th loss call.
+``with_evals`` adds evaluations to its records, as runs with ``eval_data`` report them.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,19 @@ from axon_nb.widgets._state import DashboardState
 from axon_nb.widgets.dashboard import Dashboard
 
 STREAM = json.loads((Path(__file__).parent / "data" / "stream_2ranks.json").read_text())
+EVAL_EVERY = 20
+
+
+def with_evals(run: dict[str, Any], every: int = EVAL_EVERY) -> dict[str, Any]:
+    """The recorded run, its records at every ``every``-th step carrying an evaluation (the
+    same on both ranks, as the ranks report it)."""
+    run = copy.deepcopy(run)
+    for _, message in run["messages"]:
+        for record in message["records"]:
+            if record["step"] % every == 0:
+                loss = 1.1 * record["loss"] + 0.05
+                record["eval"] = {"loss": loss, "accuracy": record["step"] / 200, "samples": 256}
+    return run
 
 
 def _feed(dashboard: Dashboard, run: dict[str, Any]) -> None:
@@ -77,19 +93,70 @@ def test_long_runs_keep_a_bounded_series() -> None:
     assert set(state.rank_loss[0]) <= set(state.steps)  # per-rank losses are thinned too
 
 
-def test_static_exports_html_with_embedded_state_and_a_png(tmp_path: Path) -> None:
-    run = STREAM["finished"]
+def test_evaluations_reach_the_synced_state_and_the_incremental_messages(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("axon_nb.widgets.dashboard.UPDATE_S", 0.0)  # every message refreshes
+    monkeypatch.setattr("axon_nb.widgets.dashboard.FULL_SYNC_S", 1e9)  # incrementally
+    run = with_evals(STREAM["finished"])
+    dashboard = Dashboard(2)
+    sent: list[dict[str, Any]] = []
+    dashboard.send = sent.append  # type: ignore[method-assign]
+    for rank, message in run["messages"]:
+        dashboard.message(rank, message)
+    appended = [e for m in sent for e in m["evals"]]
+    steps = list(range(EVAL_EVERY, 121, EVAL_EVERY))
+    assert [e["step"] for e in appended] == steps  # each once, though both ranks report it
+    assert all(m["type"] == "append" for m in sent)
+    dashboard.done({})
+    evals = dashboard.loss["eval"]
+    assert [e["step"] for e in evals] == steps
+    assert evals[0] == {"step": 20, **_record(run, 20)["eval"]}
+    assert dashboard.loss["global"] == pytest.approx(run["losses"])  # training loss unchanged
+
+
+def test_records_without_evaluations_show_none() -> None:
+    dashboard = Dashboard(2)
+    _feed(dashboard, STREAM["finished"])
+    assert dashboard.loss["eval"] == [] and dashboard.trace_summary == []
+
+
+def test_long_runs_keep_a_bounded_list_of_evaluations() -> None:
+    state = DashboardState(1, max_points=10)
+    for step in range(1, 101):
+        record = {"step": step, "loss": 1.0, "rank_loss": 1.0, "samples_per_s": 1,
+                  "eval": {"loss": 2.0, "samples": 8}}  # fmt: skip
+        state.update(0, {"status": "running", "heartbeat": 0, "records": [record]})
+    assert len(state.evals) <= 20 and max(state.evals) == 100
+
+
+def _record(run: dict[str, Any], step: int) -> dict[str, Any]:
+    return next(r for _, m in run["messages"] for r in m["records"] if r["step"] == step)
+
+
+def test_static_exports_html_and_a_png_with_the_eval_curve(tmp_path: Path) -> None:
+    run = with_evals(STREAM["finished"])
     dashboard = Dashboard(2, title="exported run")
     _feed(dashboard, run)
-    html = dashboard.save(tmp_path / "run.html").read_text()
-    assert "application/vnd.jupyter.widget-state+json" in html
-    assert "exported run" in html and f"{run['losses'][-1]}"[:8] in html
+    html = dashboard.save(tmp_path / "run.html").read_text()  # tests/test_dashboard_export.py
+    assert "exported run" in html and "<script" not in html and 'class="eval-loss"' in html
 
     summaries = _summaries(run)
     result = build_result(summaries, name="model", strategy="DDP()")
+    assert [e["step"] for e in result.evals] == list(range(EVAL_EVERY, 121, EVAL_EVERY))
     png = tmp_path / "run.png"
-    result.plot(png)
+    figure = result.plot(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert list(lines["eval loss"].get_xdata()) == [e["step"] for e in result.evals]
+    assert list(lines["eval loss"].get_ydata()) == pytest.approx([e["loss"] for e in result.evals])
+    assert len(lines["train loss (global mean)"].get_xdata()) == 120
+
+
+def test_a_plot_without_evaluations_has_no_eval_line() -> None:
+    result = build_result(_summaries(STREAM["finished"]), name="model", strategy="DDP()")
+    labels = [line.get_label() for line in result.plot().axes[0].get_lines()]
+    assert "eval loss" not in labels and "train loss (global mean)" in labels
 
 
 def _summaries(run: dict[str, Any]) -> list[dict[str, Any]]:

@@ -103,11 +103,13 @@ function drawLoss(box, series, perRank) {
   box.replaceChildren(chart, el("div", { class: "axon-eval-text" }, [evalText(evals)]));
 }
 
-function cell(value) {
+function cell(key, value) {
+  if (key === "steps" && Array.isArray(value) && value.length === 2) return `${value[0]}-${value[1]}`;
   if (Array.isArray(value)) {
     return value.map((v) => (Array.isArray(v) ? `${v[0]} ${Number(v[1]).toFixed(2)} ms` : `${v}`)).join(" · ");
   }
-  return typeof value === "number" && !Number.isInteger(value) ? value.toPrecision(3) : `${value ?? "–"}`;
+  if (typeof value !== "number" || Number.isInteger(value)) return `${value ?? "–"}`;
+  return key.endsWith("share") ? `${(100 * value).toFixed(1)}%` : value.toPrecision(3);
 }
 
 function render({ model, el: root }) {
@@ -135,13 +137,13 @@ function render({ model, el: root }) {
   );
 
   function drawTrace() {
-    const rows = model.get("trace_summary") || [];
-    const keys = [...new Set(rows.flatMap((r) => Object.keys(r)))];
+    const rows = (model.get("trace_summary") || []).map((t, rank) => ({ rank, ...(t || {}) }));
+    const keys = [...new Set(rows.flatMap((r) => Object.keys(r)))].filter((k) => k !== "path");
     traceBox.replaceChildren(...(rows.length ? [
       el("div", { class: "axon-section" }, ["Trace summary"]),
       el("table", { class: "axon-table" }, [
         el("tr", {}, keys.map((k) => el("th", {}, [k]))),
-        ...rows.map((r) => el("tr", {}, keys.map((k) => el("td", {}, [cell(r[k])])))),
+        ...rows.map((r) => el("tr", {}, keys.map((k) => el("td", {}, [cell(k, r[k])])))),
       ]),
     ] : []));
   }

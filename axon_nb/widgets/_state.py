@@ -43,9 +43,9 @@ class DashboardState:
         self.rates: dict[int, float] = {}
         self.evals: dict[int, dict[str, Any]] = {}
         """Evaluations by step (``loss``, metrics, ``samples``), as the records carry them."""
-        self.trace_summary: list[dict[str, Any]] = []
-        """Per rank, what a ``trace`` found (``rank``, ``top_ops`` as ``(name, self_ms)``,
-        ``comm_share``, ...); empty until something fills it."""
+        self.trace_summary: list[dict[str, Any] | None] = []
+        """With ``trace=``: per rank (rank order), its trace's summary (``top_ops`` as ``(name,
+        self_ms)`` pairs, ``comm_share``, ...) or None; empty until the run's end fills it."""
         self._pending: list[tuple[int, float]] = []
         self._pending_evals: list[dict[str, Any]] = []
         self.frozen = False

@@ -52,7 +52,9 @@ class Dashboard(anywidget.AnyWidget):
     hang_report = traitlets.Unicode("").tag(sync=True)
     """Where the ranks were when the run stopped making progress (empty while it makes some)."""
     trace_summary = traitlets.List().tag(sync=True)
-    """Per rank, what a ``trace`` found (``rank``, ``top_ops``, ``comm_share``...); or empty."""
+    """With ``trace=``: per rank (rank order), its trace's summary (``top_ops`` as ``(name,
+    self_ms)`` pairs, ``compute_ms``, ``comm_ms``, ``comm_share``, ...) or None; set once the
+    run ends (``dashboard.trace_summary = result.traces``), and ``save`` shows it too."""
 
     def __init__(self, world_size: int, *, title: str = "", **kwargs: Any) -> None:
         super().__init__(title=title, **kwargs)
@@ -99,12 +101,9 @@ class Dashboard(anywidget.AnyWidget):
         with self._lock:
             self.hang_report = report
 
-    def show_trace(self, rows: list[dict[str, Any]]) -> None:
-        """Show a trace summary: one row per rank (``rank``, ``top_ops`` as ``(name, self_ms)``
-        pairs, ``comm_share``, ...); the page ``save`` writes has it too."""
-        with self._lock:
-            self.state.trace_summary = list(rows)
-            self._refresh(full=False)
+    @traitlets.observe("trace_summary")
+    def _trace_changed(self, change: dict[str, Any]) -> None:
+        self.state.trace_summary = list(change["new"])
 
     # -- export ----------------------------------------------------------------------------
 
@@ -142,7 +141,6 @@ class Dashboard(anywidget.AnyWidget):
             self.memory = snapshot["memory"]
             self.communication = snapshot["comm"]
             self.frozen = snapshot["frozen"]
-            self.trace_summary = snapshot["trace_summary"]
             if full:
                 self.loss = snapshot["loss"]
         if (points or evals) and not full:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -279,9 +280,13 @@ def _evals_table(evals: list[dict[str, Any]]) -> str:
     return f"<h2>{caption}</h2>" + _table(keys, shown, "evals")
 
 
-def _trace_table(rows: list[dict[str, Any]]) -> str:
-    keys = list(dict.fromkeys(k for row in rows for k in row))
-    return _table(keys, rows, "trace")
+def _trace_table(traces: list[dict[str, Any] | None]) -> str:
+    """One row per rank; a rank without a trace (None) gets an empty row."""
+    rows = [{"rank": rank, **(trace or {})} for rank, trace in enumerate(traces)]
+    keys = list(dict.fromkeys(k for row in rows for k in row if k != "path"))
+    paths = [row["path"] for row in rows if row.get("path")]
+    where = f'<p class="muted">traces: {_e(_common_dir(paths))}</p>' if paths else ""
+    return _table(keys, rows, "trace") + where
 
 
 def _table(keys: list[str], rows: list[dict[str, Any]], css_class: str) -> str:
@@ -293,7 +298,10 @@ def _table(keys: list[str], rows: list[dict[str, Any]], css_class: str) -> str:
 
 
 def _cell(key: str, value: Any) -> str:
-    """A table cell: list items one per line, shares as percentages, floats short."""
+    """A table cell: list items one per line, a step range as ``5-7``, shares as percentages,
+    floats short."""
+    if key == "steps" and isinstance(value, list | tuple) and len(value) == 2:
+        return _e(f"{value[0]}-{value[1]}")
     if isinstance(value, list | tuple):
         return "<br>".join(_e(_item(v)) for v in value)
     if isinstance(value, float):
@@ -306,6 +314,11 @@ def _item(value: Any) -> str:
     if isinstance(value, list | tuple) and len(value) == 2 and isinstance(value[1], int | float):
         return f"{value[0]} {value[1]:.2f} ms"
     return str(value)
+
+
+def _common_dir(paths: list[str]) -> str:
+    """Where the trace files are: their common directory (or the one path)."""
+    return paths[0] if len(paths) == 1 else os.path.commonpath([os.path.dirname(p) for p in paths])
 
 
 # -- small pieces ------------------------------------------------------------------------------
