@@ -14,7 +14,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml extension/package.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[dev,hf]" "$(TORCH)"
+	$(BIN)/pip install -q -e ".[dev,hf,track]" "$(TORCH)"
 	touch $@
 
 # Rebuild the lab extension after changing extension/ (then reload JupyterLab).

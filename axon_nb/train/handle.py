@@ -76,6 +76,8 @@ class TrainHandle:
         self.shown = False
         """True once the dashboard is displayed (then no text progress is printed)."""
         self._listeners: list[MetricsListener] = []
+        self._ended: dict[int, str] | None = None
+        """The failures the listeners were told of at the run's end (None while it runs)."""
         hosts = len({r.get("host") for r in cluster.ranks})
         where = f" on {hosts} hosts" if hosts > 1 else ""
         self.dashboard = Dashboard(
@@ -128,6 +130,14 @@ class TrainHandle:
             self._listeners.append(listener)
             for rank, message in self._latest.items():  # catch up on what came before
                 listener.message(rank, {**message, "records": list(self._records[rank].values())})
+            if self._ended is not None:
+                listener.done(self._ended)
+
+    def summaries(self) -> list[dict[str, Any]]:
+        """What each rank that finished returned (rank order, once :attr:`done`): its step
+        records, memory and totals, which the result is built from."""
+        parts = sorted(self._parts.items())
+        return [part.get() for _, part in parts if part.ready() and part.successful()]
 
     def _watch(self) -> None:
         while not self._ar.ready():
@@ -146,6 +156,7 @@ class TrainHandle:
             if part.ready() and not part.successful()
         }
         with self._lock:
+            self._ended = failures
             for listener in self._listeners:
                 listener.done(failures)
 

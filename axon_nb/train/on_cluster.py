@@ -14,6 +14,7 @@ from axon_nb.train.handle import TrainHandle
 from axon_nb.train.recovery import train_with_restarts
 from axon_nb.train.result import TrainResult
 from axon_nb.train.start import start_run
+from axon_nb.train.tracking import ending, open_tracker
 from axon_nb.widgets.frontend import in_notebook
 
 if TYPE_CHECKING:
@@ -87,6 +88,12 @@ def train(
     ``foreach`` is given, and the loop never waits for the GPU within a step: the ranks'
     agreement (loss, stop) is read one step later and the next batch is copied ahead.
 
+    ``log_to=["tensorboard", "mlflow"]`` writes the run's scalars (loss, learning rate,
+    gradient norm, samples/s, evaluations, each rank's memory and communication) once per step
+    from the kernel, with its configuration as hyperparameters, to TensorBoard events in
+    ``log_dir`` (default ``runs/<name>``) and to MLflow (``MLFLOW_TRACKING_URI``, else a
+    sqlite store in ``log_dir``); ``pip install 'axon_nb[track]'`` brings both.
+
     Returns a :class:`TrainResult`, or with ``block=False`` a :class:`TrainHandle` at once.
     Ctrl-C stops every rank at the same step boundary and returns the result so far.
     ``cluster.train(...)`` is the same call. Example::
@@ -147,20 +154,32 @@ def train(
         raise ValueError(
             f"min_ranks={spec.min_ranks} is more than the {len(cluster.ranks)} ranks running"
         )
+    if spec.max_restarts and not block:
+        raise ValueError(
+            "max_restarts needs block=True: the kernel waits for the run to restart it"
+        )
+    if spec.max_restarts and (spec.model is None or spec.data is None):
+        raise ValueError(
+            "max_restarts rebuilds the run on fresh ranks: pass model= and data= (also "
+            "with resume=True)"
+        )
+    tracker = open_tracker(spec) if spec.log_to else None
     if spec.max_restarts:
-        if not block:
-            raise ValueError(
-                "max_restarts needs block=True: the kernel waits for the run to restart it"
-            )
-        if spec.model is None or spec.data is None:
-            raise ValueError(
-                "max_restarts rebuilds the run on fresh ranks: pass model= and data= (also "
-                "with resume=True)"
-            )
 
         def start(continued: TrainSpec, notes: list[str]) -> TrainHandle:
-            return start_run(cluster, continued, show=in_notebook(), notes=notes)
+            handle = start_run(cluster, continued, show=in_notebook(), notes=notes)
+            if tracker is not None:  # one tracked run through the restarts
+                tracker.follow(handle, len(cluster.targets()), last=False)
+            return handle
 
-        return train_with_restarts(cluster, spec, start)
+        with ending(tracker, end=True):
+            result = train_with_restarts(cluster, spec, start)
+        return result
     handle = start_run(cluster, spec, show=block and in_notebook())
-    return handle.wait() if block else handle
+    if tracker is not None:
+        tracker.follow(handle, len(cluster.targets()))
+    if not block:
+        return handle
+    with ending(tracker, end=False):
+        result = handle.wait()
+    return result
