@@ -105,12 +105,14 @@ def _step_of(name: str) -> int:
 def test_a_metric_that_is_not_a_scalar_fails_before_training_and_loses_nothing(
     cluster: axon_nb.Cluster,
 ) -> None:
-    base = {k: v for k, v in RUN.items() if k not in ("eval_every", "metrics")}
+    base = {k: v for k, v in RUN.items() if k not in ("eval_every", "metrics", "steps")}
     cluster.train(**base, name="kept", steps=2)
     per_token = {"per_token": lambda output, target: output.argmax(-1)}
     with pytest.raises(axon_nb.RankError, match="metric 'per_token' must return a scalar"):
         cluster.train(**base, metrics=per_token, name="kept", resume=True, steps=2)
     with pytest.raises(axon_nb.RankError, match="metric 'per_token' must return a scalar"):
-        cluster.train(**base, metrics=per_token, name="kept", strategy=Pipeline(microbatches=2))
+        cluster.train(
+            **base, metrics=per_token, name="kept", steps=2, strategy=Pipeline(microbatches=2)
+        )
     assert cluster.run(_step_of, "kept") == [2, 2]  # neither call trained or replaced the run
     assert cluster.run(lambda: 1) == [1, 1]

@@ -242,7 +242,7 @@ class Cluster(Transport):
         loader: dict[str, Any] | None = None, compile: bool = False,
         schedule: str = "constant", warmup_steps: int = 0,
         scheduler: Callable[..., Any] | None = None, seed: int = 0,
-        metrics_interval_s: float = 0.5,
+        metrics_interval_s: float = 0.5, from_state: bool | str = False,
     ) -> Comparison:  # fmt: skip
         """Each strategy trained a few steps on these ranks, side by side with its prediction:
         :func:`axon_nb.train.compare.compare`. Example::

@@ -238,14 +238,17 @@ class ParallelModel:
             for k, v in self.root.state_dict().items()
         }
 
-    def get_state(self, optimizer: torch.optim.Optimizer, *, full: bool) -> dict[str, Any]:
+    def get_state(
+        self, optimizer: torch.optim.Optimizer, *, full: bool, every_rank: bool = False
+    ) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` keyed by parameter name (a collective).
 
         ``full=True``: gathered, unsharded tensors on the CPU (with FSDP only rank 0's copy is
         complete). ``full=False``: this rank's shards as DTensors (or whole tensors where
         nothing is sharded), for ``torch.distributed.checkpoint``, which reshards on load.
         ZeRO-1/2 and pipelines always give the unsharded layout, so their checkpoints load on
-        any number of ranks and any cut.
+        any number of ranks and any cut. ``every_rank=True`` (with ``full``): every rank gets
+        the complete copy, on the CPU (a layout change in memory loads it on every rank).
         """
         if self.pipeline is not None:
             return {
@@ -259,8 +262,11 @@ class ParallelModel:
             return {"model": model_state, "optimizer": self._zero_optimizer_state(optimizer)}
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        options = StateDictOptions(full_state_dict=full, cpu_offload=full)
+        offload = full and not every_rank  # (offloading keeps the full copy on rank 0 only)
+        options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
         model_state, optim_state = get_state_dict(self.model, optimizer, options=options)
+        if full and every_rank:
+            model_state, optim_state = _on_cpu(model_state), _on_cpu(optim_state)
         return {"model": model_state, "optimizer": optim_state}
 
     def set_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
@@ -352,3 +358,14 @@ def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)  # type: ignore[operator]
+
+
+def _on_cpu(state: Any) -> Any:
+    """``state`` (nested dicts and lists of tensors) with every tensor on the CPU."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: _on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_on_cpu(v) for v in state]
+    return state

@@ -179,6 +179,18 @@ def drop_run(name: str) -> None:
     gc.collect()
 
 
+def copy_run(source: str, spec_bytes: bytes) -> int:
+    """Lay out a copy of run ``source`` under the spec's strategy and name; its step
+    (``compare(from_state=True)``)."""
+    import cloudpickle
+
+    from axon_nb.rank import runtime
+    from axon_nb.rank.training import relayout, trainstate
+
+    spec = cloudpickle.loads(spec_bytes)
+    return relayout.copy_run(spec, runtime.context(), trainstate.get(source)).step
+
+
 def start_dask_worker(scheduler: str) -> None:
     """Start this rank's dask worker, named for the rank (``Cluster.dask``)."""
     from axon_nb.rank import runtime

@@ -81,13 +81,22 @@ def compare(
     clip_grad_norm: float | None = None, loader: dict[str, Any] | None = None,
     compile: bool = False, schedule: str = "constant", warmup_steps: int = 0,
     scheduler: Callable[..., Any] | None = None, seed: int = 0,
-    metrics_interval_s: float = 0.5,
+    metrics_interval_s: float = 0.5, from_state: bool | str = False,
 ) -> Comparison:  # fmt: skip
     """Train each of ``strategies`` for ``steps`` steps with the other training options (those
     of ``train``, less what compare sets itself: strategy, name, resume, block, checkpoints
-    and restarts); figures leave out the first ``warmup`` steps."""
+    and restarts); figures leave out the first ``warmup`` steps.
+
+    ``from_state=True`` (or a run's name; True is ``"model"``): each candidate starts from
+    that run's current model, optimizer state, step and schedule, laid out afresh under the
+    candidate in memory (``model=`` builds the skeleton), instead of from a fresh model; the
+    run itself is left as it is. Its state stays in memory meanwhile, so the peak figures
+    include it."""
+    source = "model" if from_state is True else from_state or None
     train = {
-        k: v for k, v in locals().items() if k not in ("cluster", "strategies", "steps", "warmup")
+        k: v
+        for k, v in locals().items()
+        if k not in ("cluster", "strategies", "steps", "warmup", "from_state", "source")
     }
     from axon_nb.spec.train_spec import check_world, make_spec
     from axon_nb.train.start import start_run
@@ -106,8 +115,12 @@ def compare(
         if not_profiled:
             row["prediction_note"] = not_profiled
         try:
-            spec = make_spec(DDP, **train, strategy=strategy, steps=steps, name=NAME)
+            spec = make_spec(
+                DDP, **train, strategy=strategy, steps=steps, name=NAME, resume=bool(source)
+            )
             check_world(spec, world, cluster.ranks_per_host)
+            if source:
+                _copy(cluster, source, spec)
             result = start_run(cluster, spec, show=False).wait()
             row.update(_figures(result, warmup), status="ok")
         except (ValueError, RankError) as e:
@@ -120,6 +133,17 @@ def compare(
                 cluster.run(entry.drop_run, NAME, stream=False)
         rows.append(row)
     return Comparison(rows)
+
+
+def _copy(cluster: ClusterLike, source: str, spec: Any) -> None:
+    """Run ``source`` laid out afresh on the ranks as ``spec`` says, under ``spec.name``."""
+    import cloudpickle
+
+    from axon_nb.cluster.waiting import results
+
+    targets = cluster.targets()
+    ar, interrupted = cluster.apply(targets, entry.copy_run, source, cloudpickle.dumps(spec))
+    results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
 
 
 def _figures(result: Any, warmup: int) -> dict[str, Any]:

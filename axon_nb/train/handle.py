@@ -234,6 +234,12 @@ class TrainHandle:
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
             )
             self._result.dashboard = self.dashboard
+            change = self._result.layout_change
+            if change:
+                print(
+                    f"Resharded {self.name!r} from {change['from']} to {change['to']} in "
+                    f"{change['seconds']:.1f} s (at step {change['step']})."
+                )
             if self._result.traces:
                 print(trace_table(self._result.traces))
                 self.dashboard.trace_summary = self._result.traces

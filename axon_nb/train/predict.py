@@ -29,8 +29,8 @@ def predict(
     """Run ``name``'s model (trained, loaded or resumed) forward over every item of ``data``,
     without gradients and in eval mode, under its own strategy; return the outputs in data
     order as CPU tensors, in the structure the model returns (a tensor, a tuple, a dict or a
-    transformers ``ModelOutput``; values that are not tensors, such as a key-value cache,
-    are left out).
+    transformers ``ModelOutput``; what has no rows is left out: values that are not
+    tensors, such as a key-value cache, and scalars, such as a batch's loss).
 
     ``data``: a map-style dataset or a callable returning one; an item is an ``(input,
     target)`` pair (``model(input)``), a Mapping (``model(**item)``) or one input.

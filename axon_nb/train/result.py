@@ -74,6 +74,9 @@ class TrainResult:
     restarts: list[dict[str, Any]] = field(default_factory=list)
     """With ``max_restarts``: each recovery (``error``, ``failed_at_step``, ``resumed_from``,
     ``seconds``), oldest first; ``history`` runs on through them as one."""
+    layout_change: dict[str, Any] | None = None
+    """With ``resume=True`` and another strategy: the move this call began with (``step``,
+    ``from``, ``to``, ``seconds``), done in memory on the ranks."""
     traces: list[dict[str, Any] | None] | None = None
     """With ``trace=``: each rank's trace summary (``path``, ``steps``, ``top_ops``,
     ``compute_ms``, ``comm_ms``, ``comm_share``), rank order; see ``trace_dir``."""
@@ -173,6 +176,7 @@ def build_result(
         history=merge_records(by_rank),
         checkpoint=summaries[0].get("checkpoint"),
         data_ended_at=summaries[0].get("data_ended_at"),
+        layout_change=summaries[0].get("layout_change"),
         traces=[s.get("trace") for s in summaries] if summaries[0].get("trace") else None,
         ranks=[
             {k: s[k] for k in ("rank", "device", "memory", "comm_totals", "elapsed_s")}

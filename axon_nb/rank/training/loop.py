@@ -34,6 +34,7 @@ from axon_nb.rank.training.agreement import StepAgreement
 from axon_nb.rank.training.evaluation import PeerEvalFailed
 from axon_nb.rank.training.optimizer_setup import grad_scaler, optimizer_factory
 from axon_nb.rank.training.periodic_eval import PeriodicEval
+from axon_nb.rank.training.relayout import relayout
 from axon_nb.rank.training.trainstate import LRShape, TrainState
 from axon_nb.rank.world.interrupts import StopSignal
 from axon_nb.spec.pretrained_model import PretrainedModel
@@ -77,6 +78,7 @@ def run(
         except (_PeerFailed, PeerEvalFailed) as e:
             return {"rank": ctx.rank, "aborted": e.ranks}, None
         start_step = state.step
+        layout_change = next((c for c in state.layout_changes if c["step"] == start_step), None)
         # from_pretrained returns a model in eval mode: dropout would silently stay off
         state.model.train()
         publisher = MetricsPublisher(
@@ -87,6 +89,7 @@ def run(
                 "rank": ctx.rank,
                 "start_step": start_step,
                 "total_steps": start_step + spec.steps,
+                "layout_change": layout_change,  # this call moved the run to its strategy
             },
             interval_s=spec.metrics_interval_s,
         )
@@ -118,6 +121,7 @@ def run(
         "checkpoint": loop.checkpoints.last if loop.checkpoints is not None else None,
         "data_ended_at": loop.data_ended_at,
         "trace": loop.trace.summary if loop.trace is not None else None,
+        "layout_change": next((c for c in state.layout_changes if c["step"] == start_step), None),
     }
     return summary, state
 
@@ -202,11 +206,6 @@ def _resume(
     spec: TrainSpec, ctx: runtime.RankContext
 ) -> tuple[TrainState, Batches, PeriodicEval | None]:
     state = trainstate.get(spec.name)
-    if spec.strategy != state.strategy:
-        raise ValueError(
-            f"resume=True continues {spec.name!r}, trained with {state.strategy}; got "
-            f"{spec.strategy}. Resume with the same strategy, or train afresh (resume=False)"
-        )
     dataset = state.dataset if spec.data is None else resolve_dataset(spec.data, ctx.rank)
     batches = _batches(spec, ctx, dataset)
     plan = state.parallel.groups
@@ -224,6 +223,8 @@ def _resume(
             f"{spec.name!r} runs with its own scheduler=, which sets the learning rate; resume "
             "without optimizer lr (other settings may change), or train afresh"
         )
+    if spec.strategy != state.strategy:  # moved in memory; unchanged if that fails
+        state = relayout(spec, ctx, state)
     evals = _evaluations(spec, ctx, state)
     # Only now, with every input checked, does the stored state change.
     state.dataset = dataset

@@ -89,10 +89,11 @@ def _output(parallel: ParallelModel, batch: Any) -> Any:
 
 
 def _tensors_only(output: Any) -> Any:
-    """``output`` with values that are neither tensors nor containers of them (a
-    transformers cache, ...) left out: they have no rows to put in data order."""
+    """``output`` with what has no rows to put in data order left out: values that are
+    neither tensors nor containers of them (a transformers cache) and scalars (a batch's
+    loss)."""
     if isinstance(output, torch.Tensor):
-        return output
+        return output if output.dim() > 0 else None
     if isinstance(output, Mapping):
         kept = {k: _tensors_only(v) for k, v in output.items()}
         return _rebuilt(output, {k: v for k, v in kept.items() if v is not None})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +34,9 @@ class TrainState:
     dataset: Any
     step: int = 0
     """Optimizer steps taken so far, over all calls."""
+    layout_changes: list[dict[str, Any]] = field(default_factory=list)
+    """Each move to another strategy in memory (``relayout.py``): ``step``, ``from``, ``to``,
+    ``seconds``, oldest first."""
 
     @property
     def model(self) -> nn.Module:
@@ -58,7 +61,10 @@ def get(name: str = "model") -> TrainState:
         known = ", ".join(sorted(_STATES)) or "none yet"
         raise KeyError(
             f"no training run named {name!r} on this rank (runs: {known}); start one with "
-            "cluster.train(..., resume=False)"
+            "cluster.train(..., resume=False). A run lives in the ranks' memory and does not "
+            "survive a restart (%axon_cluster --restart, another number of ranks): moving it "
+            "in memory works between strategies on the same ranks; across a restart, "
+            "cluster.save(path) before it and cluster.load(path) after (resharded on load)"
         )
     return _STATES[name]
 

@@ -1,0 +1,176 @@
+"""A run moved to another strategy on the same ranks, in memory (``resume=True`` with a new
+``strategy=``): model, optimizer state, step, learning-rate schedule and data position.
+
+1. Every rank gathers the run's whole state, keyed by parameter name, onto its CPU
+   (``ParallelModel.get_state(full=True, every_rank=True)``): the one extra copy.
+2. The old layout is let go (its model, optimizer and the ranks' ``%%axon`` variable), so at
+   most the old layout and that copy, then that copy and the new layout, are alive at once.
+3. A fresh model (this call's ``model=``, the same architecture) is laid out under the new
+   strategy with the run's parameter groups, the optimizer is rebuilt (its class; settings
+   come with its state), the state is loaded, and the scheduler and grad scaler continue.
+
+If laying out the new strategy fails (a pipeline cut the model cannot take, a plan that names
+nothing), the old layout is rebuilt from the copy the same way and the error raised: the run
+stays usable as it was. Example (what the loop does)::
+
+    state = relayout(spec, ctx, state)   # now under spec.strategy, same step
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch import nn
+
+from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
+from axon_nb.rank import runtime
+from axon_nb.rank.training import trainstate
+from axon_nb.rank.training.trainstate import TrainState
+from axon_nb.spec.train_spec import TrainSpec
+from axon_nb.strategies import Strategy
+
+
+def copy_run(spec: TrainSpec, ctx: runtime.RankContext, source: TrainState) -> TrainState:
+    """A new run named ``spec.name`` under ``spec.strategy`` with ``source``'s state (model,
+    optimizer, step, schedule); ``source`` stays as it is (``compare(from_state=True)``)."""
+    make = _model_source(spec, source)
+    full = source.parallel.get_state(source.optimizer, full=True, every_rank=True)
+    full = _copied(full)  # (on CPU ranks it may share storage with the source's tensors)
+    optimizer_cls = type(getattr(source.optimizer, "optim", source.optimizer))
+    new = _build(spec.strategy, make(), full, optimizer_cls, source.parallel.groups, ctx, spec)
+    return _state(spec, source, new, source.scheduler.state_dict(), change=None)
+
+
+def relayout(spec: TrainSpec, ctx: runtime.RankContext, state: TrainState) -> TrainState:
+    """``state``'s run under ``spec.strategy`` (every rank calls it); the old one is gone."""
+    started = time.perf_counter()
+    make = _model_source(spec, state)
+    own_scheduler = spec.scheduler
+    if state.own_scheduler and own_scheduler is None:
+        raise ValueError(
+            f"{state.name!r} runs with its own scheduler=, which must be built again for the "
+            "new layout's optimizer: pass the same scheduler= with resume=True"
+        )
+    full = state.parallel.get_state(state.optimizer, full=True, every_rank=True)
+    optimizer_cls = type(getattr(state.optimizer, "optim", state.optimizer))
+    carried = {
+        "scheduler": state.scheduler.state_dict(),
+        "groups": state.parallel.groups,
+        "old": state.strategy,
+    }
+    _let_go(state)
+    try:
+        new = _build(spec.strategy, make(), full, optimizer_cls, carried["groups"], ctx, spec)
+    except Exception:  # the run as it was, from the copy
+        back = _build(carried["old"], make(), full, optimizer_cls, carried["groups"], ctx, spec)
+        as_before = dataclasses.replace(spec, strategy=carried["old"], name=state.name)
+        _state(as_before, state, back, carried["scheduler"], change=None)
+        raise
+    change = {
+        "step": state.step,
+        "from": carried["old"].describe(),
+        "to": spec.strategy.describe(),
+        "seconds": time.perf_counter() - started,
+    }
+    return _state(spec, state, new, carried["scheduler"], change=change)
+
+
+def _state(
+    spec: TrainSpec,
+    old: TrainState,
+    new: tuple[Any, torch.optim.Optimizer],
+    scheduler_state: dict[str, Any],
+    change: dict[str, Any] | None,
+) -> TrainState:
+    """The run named ``spec.name`` in its new layout, stored: ``old``'s schedule, scaler, data
+    and step around the new model and optimizer."""
+    parallel, optimizer = new
+    if old.own_scheduler:
+        if spec.scheduler is None:
+            raise ValueError(
+                f"{old.name!r} runs with its own scheduler=, which must be built again for the "
+                "new layout's optimizer: pass the same scheduler= with resume=True"
+            )
+        scheduler = spec.scheduler(optimizer)
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, deepcopy(old.lr_shape))
+    scheduler.load_state_dict(scheduler_state)
+    state = TrainState(
+        name=spec.name,
+        strategy=spec.strategy,
+        parallel=parallel,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        lr_shape=scheduler.lr_lambdas[0] if not old.own_scheduler else old.lr_shape,
+        own_scheduler=old.own_scheduler,
+        scaler=deepcopy(old.scaler),
+        dataset=old.dataset,
+        step=old.step,
+        layout_changes=[*old.layout_changes, *([change] if change else [])],
+    )
+    trainstate.put(state)
+    return state
+
+
+def _copied(state: Any) -> Any:
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: _copied(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copied(v) for v in state]
+    return state
+
+
+def _model_source(spec: TrainSpec, state: TrainState) -> Any:
+    """What builds the model to lay out again: this call's ``model=``. (The old module itself
+    is never reused: a strategy may have sharded, cut or hooked it.)"""
+    if spec.model is None:
+        raise ValueError(
+            f"moving {state.name!r} from {state.strategy.describe()} to "
+            f"{spec.strategy.describe()} lays out a fresh copy of the model: pass the model "
+            "again with resume=True (model=make_model, the same architecture); its weights "
+            "and optimizer state come from the run"
+        )
+    if isinstance(spec.model, nn.Module):
+        return lambda: deepcopy(spec.model)
+    return spec.model
+
+
+def _let_go(state: TrainState) -> None:
+    """Drop this rank's references to the old layout (the ``%%axon`` variable too)."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    if shell is not None and shell.user_ns.get(state.name) is state.model:
+        del shell.user_ns[state.name]
+    state.parallel = None  # type: ignore[assignment]
+    state.optimizer = None  # type: ignore[assignment]
+    state.scheduler = None  # type: ignore[assignment]  # (it holds the optimizer)
+
+
+def _build(
+    strategy: Strategy,
+    model: nn.Module,
+    full: dict[str, Any],
+    optimizer_cls: type[torch.optim.Optimizer],
+    groups: Any,
+    ctx: runtime.RankContext,
+    spec: TrainSpec,
+) -> tuple[Any, torch.optim.Optimizer]:
+    """``model`` laid out by ``strategy`` with ``full`` loaded: (parallel, optimizer)."""
+    dims = strategy.dims(ctx.world_size, ctx.local_world_size)
+    parallel = parallelize(
+        model.to(ctx.device), dims, strategy.config(), ctx.device, compile=spec.compile,
+        groups=groups,
+    )  # fmt: skip
+    optimizer = parallel.build_optimizer(OptimizerFactory(optimizer_cls, {}))
+    parallel.set_state(optimizer, full)
+    return parallel, optimizer
