@@ -1,5 +1,5 @@
 """The dashboard fed with a recorded metrics stream (2 ranks): widget state, throttling,
-evaluation points, export.
+evaluation points, layout changes, export.
 
 The stream in ``data/stream_2ranks.json`` was recorded from real runs (``TrainHandle``'s
 listener): one finished 120-step run, and one where rank 1 raised at its 60th loss call.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -178,3 +179,67 @@ def test_a_rank_that_goes_silent_turns_stalled_without_new_messages() -> None:
     board._last_update = float("-inf")  # as if IDLE_REFRESH_S had passed
     board.tick()
     assert board.ranks[0]["status"] == "stalled"
+
+
+MOVE = {"step": 0, "from": "DDP()", "to": "FSDP()", "seconds": 2.0}
+"""A resumed call's layout change, as its every publication carries it (``step``: where the
+call began, so its curve starts just after the marker)."""
+
+
+def with_layout_change(run: dict[str, Any], change: dict[str, Any] = MOVE) -> dict[str, Any]:
+    """The recorded run as a ``resume=True`` call under a new strategy publishes it."""
+    run = copy.deepcopy(run)
+    for _, message in run["messages"]:
+        assert message["start_step"] == change["step"]
+        message["layout_change"] = dict(change)
+    return run
+
+
+def test_a_layout_change_is_marked_once_in_the_synced_state_the_export_and_the_plot(
+    tmp_path: Path,
+) -> None:
+    run = with_layout_change(STREAM["finished"])
+    dashboard = Dashboard(2, title="resumed")
+    _feed(dashboard, run)
+    assert dashboard.layout_changes == [MOVE]  # once, though every publication repeats it
+    assert dashboard.loss["steps"][0] == MOVE["step"] + 1  # the curve starts right after it
+
+    page = dashboard.save(tmp_path / "run.html").read_text()
+    [mark] = re.findall(r'<g class="layout-change">.*?</g>', page)
+    x = float(re.search(r'<line x1="([\d.]+)"', mark).group(1))  # type: ignore[union-attr]
+    assert x == 56.0  # the chart's left edge: the call's first step is the marker's
+    assert "DDP() → FSDP()</text>" in mark and "<title>layout: DDP() → FSDP() at step 0" in mark
+    assert "┆ layout: DDP() → FSDP() at step 0 (moved in 2.0 s)" in page  # the legend
+
+    result = build_result(_summaries(run), name="model", strategy="FSDP()")
+    assert result.layout_change == MOVE
+    axes = result.plot(tmp_path / "run.png").axes[0]
+    marker = next(line for line in axes.get_lines() if "DDP() → FSDP()" in line.get_label())
+    assert list(marker.get_xdata()) == [0, 0]
+    assert marker.get_label() == "DDP() → FSDP() at step 0 (2.0 s)"
+    assert [t.get_text() for t in axes.texts] == ["DDP() → FSDP()"]
+    assert "DDP() → FSDP() at step 0" in [t.get_text() for t in axes.get_legend().get_texts()][-1]
+
+
+def test_several_layout_changes_are_each_marked_in_step_order() -> None:
+    state = DashboardState(1)
+    later = {"step": 40, "from": "FSDP()", "to": "DDP()", "seconds": 0.5}
+    for change, step in ((later, 41), (MOVE, 1), (later, 42)):  # as a follower might get them
+        record = {"step": step, "loss": 1.0, "rank_loss": 1.0, "samples_per_s": 1}
+        state.update(0, {"status": "running", "heartbeat": 0, "records": [record],
+                         "layout_change": change})  # fmt: skip
+    assert state.layout_changes == [MOVE, later]
+
+
+def test_a_run_without_a_layout_change_shows_no_marker(tmp_path: Path) -> None:
+    run = copy.deepcopy(STREAM["finished"])
+    for _, message in run["messages"]:
+        message["layout_change"] = None  # what a call that kept its layout publishes
+    dashboard = Dashboard(2)
+    _feed(dashboard, run)
+    assert dashboard.layout_changes == []
+    assert "layout-change" not in dashboard.save(tmp_path / "run.html").read_text()
+    result = build_result(_summaries(run), name="model", strategy="DDP()")
+    assert result.layout_change is None
+    axes = result.plot().axes[0]
+    assert not axes.texts and all("→" not in line.get_label() for line in axes.get_lines())

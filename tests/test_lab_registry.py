@@ -128,3 +128,31 @@ def _model_step() -> int:
     from axon_nb.rank.training import trainstate
 
     return trainstate.get("model").step
+
+
+def test_the_sidebar_gets_a_runs_layout_change(tmp_path: Path) -> None:
+    """A ``resume=True`` call that moved the run to another strategy: its entry names the
+    change (the sidebar's text and sparkline mark) and the dashboard tab's state carries it."""
+    from types import SimpleNamespace
+
+    from test_dashboard import MOVE, STREAM, with_layout_change
+
+    from axon_nb.cluster.lab_registry import LOSS_POINTS, LabRegistry
+    from axon_nb.strategies import FSDP
+    from axon_nb.widgets.dashboard import Dashboard
+
+    cluster = axon_nb.Cluster(n=2)  # not started: the registry reads what it holds
+    board = Dashboard(2, title="model · FSDP · 2 ranks")
+    for rank, message in with_layout_change(STREAM["finished"])["messages"]:
+        board.message(rank, message)
+    board.done({})
+    spec = SimpleNamespace(strategy=FSDP())
+    cluster.last_run = SimpleNamespace(name="model", done=True, dashboard=board, _spec=spec)
+    registry = LabRegistry(cluster, "k1-abcd1234", directory=tmp_path)
+    registry.write()
+    run = json.loads(registry.path.read_text())["run"]
+    assert run["strategy"] == "FSDP()" and run["state"] == "finished"
+    assert run["layout_changes"] == [MOVE] == run["dashboard"]["layout_changes"]
+    # the sparkline: the call's whole curve, from right after the change to its newest step
+    assert run["losses"][0][0] == MOVE["step"] + 1 and run["losses"][-1][0] == 120
+    assert len(run["losses"]) <= LOSS_POINTS + 1

@@ -4,9 +4,9 @@ Each running cluster started in a Jupyter kernel keeps one state file in an owne
 directory under Jupyter's runtime directory (``<runtime>/axon_nb``, mode 0700), rewritten
 about once a second (atomically, mode 0600): its ranks, hosts, devices, backend, status,
 memory per rank, and its current or last training run (progress, ETA, samples/s, the loss,
-failed or stalled ranks, and the dashboard's whole state). The server extension
-(``axon_nb.server``) lists these files; it drops an entry whose kernel process is gone, and
-the file is removed when the cluster stops.
+its layout changes, failed or stalled ranks, and the dashboard's whole state). The server
+extension (``axon_nb.server``) lists these files; it drops an entry whose kernel process is
+gone, and the file is removed when the cluster stops.
 
 Controls come the other way: the server writes ``control-<key>-<id>.json`` files, which the
 same thread reads, deletes and carries out: ``stop_run`` (every rank stops at the same step
@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 INTERVAL_S = 1.0
 """How often the state file is rewritten and controls are looked for."""
 LOSS_POINTS = 100
-"""Loss points kept in the state file (the sidebar's sparkline)."""
+"""Loss points of the run in the state file (the sidebar's sparkline), its whole curve thinned
+evenly, the first and newest kept: a layout change is marked at the start."""
 
 
 def registry_dir() -> Path:
@@ -215,8 +216,16 @@ def _run_state(run: Any) -> dict[str, Any]:
         "steps": progress["total"],
         "eta_s": progress["eta_s"],
         "samples_per_s": progress["samples_per_s"],
-        "losses": [[s, v] for s, v in zip(state.steps, state.loss, strict=True)][-LOSS_POINTS:],
+        "losses": _sparkline(state.steps, state.loss),
+        "layout_changes": snapshot["layout_changes"],  # marked on the sparkline and named
         "failed_ranks": [r for r, s in enumerate(statuses) if s == "failed"],
         "stalled_ranks": [r for r, s in enumerate(statuses) if s == "stalled"],
         "dashboard": snapshot,
     }
+
+
+def _sparkline(steps: list[int], losses: list[float]) -> list[list[float]]:
+    """At most ``LOSS_POINTS + 1`` of the ``[step, loss]`` points: every k-th, and the newest."""
+    points = [[s, v] for s, v in zip(steps, losses, strict=True)]
+    stride = max(1, -(-len(points) // LOSS_POINTS))
+    return points[::stride] + ([points[-1]] if (len(points) - 1) % stride else [])

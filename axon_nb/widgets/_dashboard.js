@@ -1,5 +1,5 @@
-// axon_nb training dashboard: progress, loss chart (training and eval), memory and
-// communication per rank. Plain DOM + SVG; the kernel sends new loss and eval points as
+// axon_nb training dashboard: progress, loss chart (training and eval, layout changes marked),
+// memory and communication per rank. Plain DOM + SVG; the kernel sends new loss and eval points as
 // {type: "append"} messages. export.py draws the same charts in Python for saved pages.
 
 const TRAIN_COLOR = "#1f77b4";
@@ -51,7 +51,31 @@ function evalText(evals) {
   return `eval at step ${last.step}: ${figures.join(" · ")}`;
 }
 
-function drawLoss(box, series, perRank) {
+function layoutText(changes) {
+  return changes.map((c) =>
+    `layout: ${c.from} → ${c.to} at step ${c.step} (moved in ${seconds(c.seconds)})`).join(" · ");
+}
+
+// A move to another strategy: a vertical line at its step, labelled at its foot (the loss
+// curve of a resumed call starts there, high at the top left).
+function drawChanges(chart, changes, sx, box) {
+  const { W, T, H, B } = box;
+  changes.forEach((c, i) => {
+    const x = sx(c.step), right = x > W / 2;
+    const mark = svg("g", { class: "axon-layout-change", "data-step": c.step });
+    const tip = svg("title");
+    tip.textContent = layoutText([c]);
+    const label = svg("text", {
+      x: right ? x - 3 : x + 3, y: H - B - 4 - 12 * i, "text-anchor": right ? "end" : "start",
+      class: "axon-layout-label",
+    });
+    label.textContent = `${c.from} → ${c.to}`;
+    mark.append(tip, svg("line", { x1: x, y1: T, x2: x, y2: H - B, class: "axon-layout-line" }), label);
+    chart.append(mark);
+  });
+}
+
+function drawLoss(box, series, perRank, changes = []) {
   const W = 460, H = 180, L = 48, R = 8, T = 8, B = 22;
   const chart = svg("svg", { viewBox: `0 0 ${W} ${H}`, class: "axon-chart" });
   const evals = series.eval.filter((e) => e.loss != null && isFinite(e.loss));
@@ -59,10 +83,11 @@ function drawLoss(box, series, perRank) {
   if (perRank) lines.push(...series.per_rank);
   const all = lines.flat().filter((v) => v != null && isFinite(v));
   if (!xs.length || !all.length) {
-    box.replaceChildren(el("div", { class: "axon-empty" }, ["waiting for the first steps…"]));
+    box.replaceChildren(el("div", { class: "axon-empty" }, ["waiting for the first steps…"]),
+      el("div", { class: "axon-layout-text" }, [layoutText(changes)]));
     return;
   }
-  const steps = [xs[0], xs[xs.length - 1], ...evals.map((e) => e.step)];
+  const steps = [xs[0], xs[xs.length - 1], ...evals.map((e) => e.step), ...changes.map((c) => c.step)];
   const x0 = Math.min(...steps), x1 = Math.max(...steps, x0 + 1);
   const y0 = Math.min(...all), y1 = Math.max(...all, y0 + 1e-12);
   const sx = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
@@ -84,6 +109,7 @@ function drawLoss(box, series, perRank) {
       d: linePath(xs, ys, sx, sy), class: "axon-rank-line", stroke: RANK_COLORS[r % RANK_COLORS.length],
     })));
   }
+  drawChanges(chart, changes, sx, { W, T, H, B });
   chart.append(svg("path", { d: linePath(xs, series.global, sx, sy), class: "axon-loss-line" }));
   const legend = [["train loss", TRAIN_COLOR]];
   if (evals.length) {
@@ -100,7 +126,8 @@ function drawLoss(box, series, perRank) {
     t.textContent = label;
     chart.append(t);
   });
-  box.replaceChildren(chart, el("div", { class: "axon-eval-text" }, [evalText(evals)]));
+  box.replaceChildren(chart, el("div", { class: "axon-eval-text" }, [evalText(evals)]),
+    el("div", { class: "axon-layout-text" }, [layoutText(changes)]));
 }
 
 function cell(key, value) {
@@ -120,12 +147,13 @@ function render({ model, el: root }) {
   const progressText = el("div", { class: "axon-progress-text" });
   const lossBox = el("div", { class: "axon-loss" });
   const toggle = el("input", { type: "checkbox" });
+  const redraw = () => drawLoss(lossBox, series, perRank, model.get("layout_changes") || []);
   const memoryBox = el("div", { class: "axon-memory" });
   const commBox = el("div", { class: "axon-comm" });
   const errors = el("div", { class: "axon-errors" });
   const hang = el("pre", { class: "axon-hang" });
   const traceBox = el("div", { class: "axon-trace" });
-  toggle.addEventListener("change", () => { perRank = toggle.checked; drawLoss(lossBox, series, perRank); });
+  toggle.addEventListener("change", () => { perRank = toggle.checked; redraw(); });
   root.classList.add("axon-dashboard");
   root.append(
     head, bar, progressText,
@@ -213,7 +241,7 @@ function render({ model, el: root }) {
       steps: [...(full.steps || [])], global: [...(full.global || [])],
       per_rank: (full.per_rank || []).map((s) => [...s]), eval: [...(full.eval || [])],
     };
-    drawLoss(lossBox, series, perRank);
+    redraw();
   }
 
   model.on("msg:custom", (msg) => {
@@ -227,11 +255,12 @@ function render({ model, el: root }) {
     }
     const lastEval = series.eval.length ? series.eval[series.eval.length - 1].step : -Infinity;
     for (const e of msg.evals || []) if (e.step > lastEval) series.eval.push(e);
-    drawLoss(lossBox, series, perRank);
+    redraw();
     root.setAttribute("data-points", series.steps.length);
   });
   for (const [name, draw] of [["ranks", drawHead], ["title", drawHead], ["progress", drawProgress],
-    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss], ["hang_report", drawHang],
+    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss],
+    ["layout_changes", redraw], ["hang_report", drawHang],
     ["trace_summary", drawTrace]]) {
     model.on(`change:${name}`, draw);
   }

@@ -6,10 +6,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 EVAL_COLOR = "#c2185b"
 """The evaluation loss, here as on the dashboard (a colour no rank's line takes)."""
+LAYOUT_COLOR = "#6a3d9a"
+"""A layout change's marker, here as on the dashboard."""
 
 
 class TrainResult(Protocol):
@@ -20,11 +23,12 @@ class TrainResult(Protocol):
     ranks: list[dict[str, Any]]
     losses: list[float]
     history: list[dict[str, Any]]
+    layout_change: dict[str, Any] | None
 
 
 def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:
-    """Loss per step (training, per rank, evaluation), model-state memory per rank and
-    communication share per rank.
+    """Loss per step (training, per rank, evaluation; a marker where a resumed call moved the
+    run to another strategy), model-state memory per rank and communication share per rank.
 
     Example::
 
@@ -46,6 +50,8 @@ def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:
     if evals:
         eval_steps, eval_loss = [h["step"] for h in evals], [h["eval"]["loss"] for h in evals]
         loss_ax.plot(eval_steps, eval_loss, "o--", color=EVAL_COLOR, label="eval loss", ms=3)
+    if result.layout_change:
+        _mark_layout_change(loss_ax, result.layout_change)
     loss_ax.set(title=f"{result.name}: loss", xlabel="step")
     loss_ax.legend(fontsize=7)
 
@@ -65,6 +71,28 @@ def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:
     if path is not None:
         fig.savefig(path, dpi=110)
     return fig
+
+
+def _mark_layout_change(ax: Axes, change: dict[str, Any]) -> None:
+    """A dotted vertical line at the move's step, labelled at its foot (the curve of the call
+    starts there, high at the top) and in the legend."""
+    move = f"{change['from']} → {change['to']}"
+    ax.axvline(
+        change["step"],
+        color=LAYOUT_COLOR,
+        linestyle=":",
+        linewidth=1.5,
+        label=f"{move} at step {change['step']} ({change['seconds']:.1f} s)",
+    )
+    ax.annotate(
+        move,
+        xy=(change["step"], 0),
+        xycoords=("data", "axes fraction"),
+        xytext=(3, 3),
+        textcoords="offset points",
+        color=LAYOUT_COLOR,
+        fontsize=7,
+    )
 
 
 def _get(memory: dict[str, Any], key: str) -> float:

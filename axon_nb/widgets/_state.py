@@ -16,8 +16,8 @@ MAX_POINTS = 400
 
 
 class DashboardState:
-    """Folds per-rank publications into progress, loss (training and evaluation), memory,
-    communication and status.
+    """Folds per-rank publications into progress, loss (training and evaluation), layout
+    changes, memory, communication and status.
 
     Example::
 
@@ -46,6 +46,9 @@ class DashboardState:
         self.trace_summary: list[dict[str, Any] | None] = []
         """With ``trace=``: per rank (rank order), its trace's summary (``top_ops`` as ``(name,
         self_ms)`` pairs, ``comm_share``, ...) or None; empty until the run's end fills it."""
+        self.layout_changes: list[dict[str, Any]] = []
+        """Each move of the run to another strategy (``step``, ``from``, ``to``, ``seconds``),
+        oldest first: a ``resume=True`` call under a new strategy begins with one."""
         self._pending: list[tuple[int, float]] = []
         self._pending_evals: list[dict[str, Any]] = []
         self.frozen = False
@@ -62,6 +65,7 @@ class DashboardState:
         memory = message.get("memory") or {}
         peak = max(_held(memory), int(memory.get("peak_bytes", 0)))
         self.peaks[rank] = max(self.peaks.get(rank, 0), peak)
+        self._take_layout_change(message.get("layout_change"))
         last = self.steps[-1] if self.steps else 0
         records = message.get("records") or ()
         if records:
@@ -87,6 +91,11 @@ class DashboardState:
         if len(self.evals) > 2 * self.max_points:
             kept = sorted(self.evals)[::-1][::2]  # every other one, the newest kept
             self.evals = {s: self.evals[s] for s in sorted(kept)}
+
+    def _take_layout_change(self, change: dict[str, Any] | None) -> None:
+        """Keep a layout change once (every rank's every publication repeats it)."""
+        if change and all(c["step"] != change["step"] for c in self.layout_changes):
+            self.layout_changes = sorted([*self.layout_changes, change], key=lambda c: c["step"])
 
     def _thin(self) -> None:
         """Drop every other point, per-rank losses of the dropped steps too (bounded memory)."""
@@ -180,6 +189,7 @@ class DashboardState:
                 ],
                 "eval": [{"step": s, **e} for s, e in sorted(self.evals.items())],
             },
+            "layout_changes": [dict(c) for c in self.layout_changes],
             "memory": self.memory(),
             "comm": self.comm(),
             "frozen": self.frozen,

@@ -48,6 +48,9 @@ class Dashboard(anywidget.AnyWidget):
     memory = traitlets.List().tag(sync=True)
     communication = traitlets.List().tag(sync=True)
     loss = traitlets.Dict().tag(sync=True)
+    layout_changes = traitlets.List().tag(sync=True)
+    """Each move of the run to another strategy (``step``, ``from``, ``to``, ``seconds``): a
+    labelled vertical marker on the loss chart at its step."""
     frozen = traitlets.Bool(False).tag(sync=True)
     hang_report = traitlets.Unicode("").tag(sync=True)
     """Where the ranks were when the run stopped making progress (empty while it makes some)."""
@@ -141,6 +144,7 @@ class Dashboard(anywidget.AnyWidget):
             self.memory = snapshot["memory"]
             self.communication = snapshot["comm"]
             self.frozen = snapshot["frozen"]
+            self.layout_changes = snapshot["layout_changes"]
             if full:
                 self.loss = snapshot["loss"]
         if (points or evals) and not full:

@@ -29,6 +29,8 @@ RANK_COLORS = (
 )
 """Per-rank colours, as the live widget draws them (rank r takes ``RANK_COLORS[r % 8]``)."""
 EVAL_COLOR = "#c2185b"
+LAYOUT_COLOR = "#6a3d9a"
+"""A layout change's marker (a strategy move on ``resume=True``), as the live widget draws it."""
 HELD_COLOR, PEAK_COLOR, COMM_COLOR, TRACK_COLOR = "#3182bd", "#c6dbef", "#e6550d", "#f0f0f0"
 STATUS_COLORS = {
     "running": "#cfe8ff",
@@ -62,7 +64,8 @@ CSP = "default-src 'none'; style-src 'unsafe-inline'; img-src data:"
 
 def render_html(snapshot: dict[str, Any], *, title: str, hang_report: str = "") -> str:
     """The page for ``DashboardState.snapshot()``: progress, loss chart (training per rank and
-    evaluation), memory and communication per rank, statuses, evaluations, trace summary.
+    evaluation, layout changes marked), memory and communication per rank, statuses,
+    evaluations, trace summary.
 
     Example::
 
@@ -73,7 +76,11 @@ def render_html(snapshot: dict[str, Any], *, title: str, hang_report: str = "") 
     sections = [
         f"<h1>{_e(title)}</h1>",
         _progress(snapshot["progress"], frozen=snapshot["frozen"]),
-        _section("Loss", _loss_chart(loss) + _evals_table(loss.get("eval") or [])),
+        _section(
+            "Loss",
+            _loss_chart(loss, snapshot.get("layout_changes") or [])
+            + _evals_table(loss.get("eval") or []),
+        ),
         _section("Memory per rank", _memory_chart(snapshot["memory"])),
         _section("Communication per rank (per step)", _comm_chart(snapshot["comm"])),
         _section("Ranks", _status_table(snapshot["ranks"])),
@@ -110,14 +117,35 @@ class Line:
     css_class: str = ""
 
 
-def line_chart(lines: Sequence[Line], *, width: int = 640, height: int = 240) -> str:
-    """An SVG line chart of ``lines`` (axes, min/max ticks), its legend below it.
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """An event at one step, drawn as a labelled vertical line across a line chart."""
+
+    step: float
+    label: str
+    """Written beside the line, at its foot."""
+    legend: str
+    """Its legend entry (and the line's tooltip): the label with what it needs said."""
+    color: str = LAYOUT_COLOR
+    css_class: str = "layout-change"
+
+
+def line_chart(
+    lines: Sequence[Line],
+    *,
+    markers: Sequence[Marker] = (),
+    width: int = 640,
+    height: int = 240,
+) -> str:
+    """An SVG line chart of ``lines`` (axes, min/max ticks) and ``markers``, its legend below.
 
     Example::
 
-        line_chart([Line("train loss", [(1, 2.3), (2, 1.9)], "#1f77b4")])
+        line_chart([Line("train loss", [(1, 2.3), (2, 1.9)], "#1f77b4")],
+                   markers=[Marker(0, "DDP() → FSDP()", "DDP() → FSDP() at step 0")])
     """
     xs = [float(x) for line in lines for x, y in line.points if _finite(y)]
+    xs += [float(m.step) for m in markers if xs]
     ys = [float(y) for line in lines for _, y in line.points if _finite(y)]  # type: ignore[arg-type]
     if not ys:
         return '<p class="muted">no steps recorded</p>'
@@ -139,13 +167,14 @@ def line_chart(lines: Sequence[Line], *, width: int = 640, height: int = 240) ->
         _text(left - 4, sy(y1) + 4, f"{y1:.4g}", anchor="end"),
         _text(sx(x0), height - 8, f"step {x0:g}"),
         _text(sx(x1), height - 8, f"step {x1:g}", anchor="end"),
+        *(_marker(m, i, sx(m.step), top, base, width) for i, m in enumerate(markers)),
         *(_path(line, sx, sy) for line in lines),
     ]
     legend = [
         f'<span style="color:{line.color}">{"╌" if line.dashed else "━"} {_e(line.label)}</span>'
         for line in lines
         if any(_finite(y) for _, y in line.points)
-    ]
+    ] + [f'<span style="color:{m.color}">┆ {_e(m.legend)}</span>' for m in markers]
     return _svg(width, height, "".join(parts), "line chart") + (
         f'<p class="legend">{" &nbsp; ".join(legend)}</p>'
     )
@@ -170,8 +199,27 @@ def _path(line: Line, sx: Callable[[float], float], sy: Callable[[float], float]
     )
 
 
-def _loss_chart(loss: dict[str, Any]) -> str:
-    """Each rank's loss (thin), the global training loss and the evaluation loss (dashed)."""
+def _marker(marker: Marker, index: int, x: float, top: float, base: float, width: int) -> str:
+    """The marker's dotted line, its label at the foot (a resumed call's loss curve starts at
+    the marker, high at the top) on the side with room, the labels of several stacked."""
+    right_half = x > width / 2
+    label = _text(
+        x - 3 if right_half else x + 3,
+        base - 4 - 12 * index,
+        marker.label,
+        anchor="end" if right_half else "start",
+        fill=marker.color,
+    )
+    return (
+        f'<g class="{marker.css_class}"><title>{_e(marker.legend)}</title>'
+        f'<line x1="{x:.1f}" y1="{top}" x2="{x:.1f}" y2="{base}" stroke="{marker.color}" '
+        f'stroke-width="1.5" stroke-dasharray="2 2"/>{label}</g>'
+    )
+
+
+def _loss_chart(loss: dict[str, Any], layout_changes: Sequence[dict[str, Any]] = ()) -> str:
+    """Each rank's loss (thin), the global training loss, the evaluation loss (dashed) and a
+    marker at each layout change."""
     steps = loss.get("steps") or []
     per_rank = loss.get("per_rank") or []
     lines = [
@@ -185,7 +233,16 @@ def _loss_chart(loss: dict[str, Any]) -> str:
     if evals:
         dots = len(evals) <= MAX_DOTS
         lines.append(Line("eval loss", evals, EVAL_COLOR, 1.5, True, dots, "eval-loss"))
-    return line_chart(lines)
+    return line_chart(lines, markers=[_layout_marker(c) for c in layout_changes])
+
+
+def _layout_marker(change: dict[str, Any]) -> Marker:
+    """``DDP() → FSDP()`` at the step where a resumed call moved the run to its strategy."""
+    move = f"{change['from']} → {change['to']}"
+    seconds = _seconds(change["seconds"])
+    return Marker(
+        change["step"], move, f"layout: {move} at step {change['step']} (moved in {seconds})"
+    )
 
 
 def _bar_rows(rows: Sequence[tuple[str, list[tuple[float, str]], str]], css_class: str) -> str:

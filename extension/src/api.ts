@@ -8,6 +8,14 @@ export interface MemoryRow {
   total: number;
 }
 
+/** A resumed call's move of the run to another strategy, at the step it began from. */
+export interface LayoutChange {
+  step: number;
+  from: string;
+  to: string;
+  seconds: number;
+}
+
 export interface RunState {
   name: string;
   strategy: string;
@@ -17,6 +25,7 @@ export interface RunState {
   eta_s: number | null;
   samples_per_s: number;
   losses: [number, number][];
+  layout_changes?: LayoutChange[];
   failed_ranks: number[];
   stalled_ranks: number[];
   dashboard: Record<string, unknown>;

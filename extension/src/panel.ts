@@ -1,7 +1,7 @@
 // The "Axon" sidebar: every cluster of this server's kernels, its run, and the controls.
 import { Widget } from '@lumino/widgets';
 
-import { Action, ClusterState, RunState } from './api';
+import { Action, ClusterState, LayoutChange, RunState } from './api';
 import { LABELS, confirmAndSend } from './confirm';
 import { bytes, el, seconds, sparkline } from './format';
 import { ClusterPoller } from './poller';
@@ -77,6 +77,7 @@ export class AxonPanel extends Widget {
     if (run.stalled_ranks.length) {
       trouble.push(`stalled: ranks ${run.stalled_ranks.join(', ')}`);
     }
+    const changes = run.layout_changes ?? [];
     const open = el('button', { class: 'jp-mod-styled axon-nb-open' }, ['Open dashboard']);
     open.addEventListener('click', () => this._openDashboard(key));
     return el('div', { class: 'axon-nb-run', 'data-step': String(run.step), 'data-state': run.state }, [
@@ -86,9 +87,18 @@ export class AxonPanel extends Widget {
         `step ${run.step} / ${run.steps} · ETA ${run.state === 'running' ? seconds(run.eta_s) : 'done'} · ` +
           `${Math.round(run.samples_per_s)} samples/s`
       ]),
-      sparkline(run.losses),
+      sparkline(run.losses, changes.map(c => ({ step: c.step, title: moved(c) }))),
+      ...(changes.length ? [this._layoutChanges(changes)] : []),
       ...(trouble.length ? [el('div', { class: 'axon-nb-error' }, [trouble.join(' · ')])] : []),
       open
+    ]);
+  }
+
+  /** The run's layout now and since when, e.g. "FSDP() since step 5 (was DDP())". */
+  private _layoutChanges(changes: LayoutChange[]): HTMLElement {
+    const last = changes[changes.length - 1];
+    return el('div', { class: 'axon-nb-layout', 'data-step': String(last.step), title: changes.map(moved).join('\n') }, [
+      `${last.to} since step ${last.step} (was ${last.from})`
     ]);
   }
 
@@ -104,4 +114,8 @@ export class AxonPanel extends Widget {
     });
     return el('div', { class: 'axon-nb-controls' }, buttons);
   }
+}
+
+function moved(c: LayoutChange): string {
+  return `${c.from} → ${c.to} at step ${c.step} (moved in ${seconds(c.seconds)})`;
 }

@@ -20,9 +20,11 @@ from axon_nb.cluster.lab_registry import ACTIONS, registry_dir
 pytestmark = pytest.mark.timeout(120)
 
 
-def _entry(key: str, *, pid: int | None = None, updated: float | None = None) -> dict[str, Any]:
+def _entry(
+    key: str, *, pid: int | None = None, updated: float | None = None, run: Any = None
+) -> dict[str, Any]:
     state = {"key": key, "pid": pid or os.getpid(), "updated": updated or time.time(),
-             "ranks": 2, "status": "running", "run": None}  # fmt: skip
+             "ranks": 2, "status": "running", "run": run}  # fmt: skip
     (registry_dir() / f"cluster-{key}.json").write_text(json.dumps(state))
     return state
 
@@ -41,6 +43,16 @@ async def test_lists_live_clusters_only(jp_fetch: Any) -> None:
     assert [c["key"] for c in json.loads(response.body)["clusters"]] == ["k1-aaaa"]
     one = json.loads((await jp_fetch("axon-nb", "clusters", "k1-aaaa")).body)
     assert one["ranks"] == 2
+
+
+async def test_a_runs_layout_change_reaches_the_sidebar(jp_fetch: Any) -> None:
+    move = {"step": 5, "from": "DDP()", "to": "FSDP()", "seconds": 2.0}
+    run = {"name": "model", "strategy": "FSDP()", "losses": [[6, 1.0], [7, 0.9]],
+           "layout_changes": [move], "dashboard": {"layout_changes": [move]}}  # fmt: skip
+    _entry("k1-aaaa", run=run)
+    [cluster] = json.loads((await jp_fetch("axon-nb", "clusters")).body)["clusters"]
+    assert cluster["run"]["layout_changes"] == [move]
+    assert cluster["run"]["dashboard"]["layout_changes"] == [move]  # the dashboard tab's
 
 
 @pytest.mark.parametrize("action", ACTIONS)
