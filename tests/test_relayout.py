@@ -73,8 +73,8 @@ FOUR_PAIRS = [
     (DDP(), Hybrid(dp=2, pp=2)),
     (Hybrid(dp=2, pp=2), FSDP()),
     (Hybrid(dp=2, tp=2), Hybrid(tp=2, pp=2)),
-    (Pipeline(microbatches=2), Hybrid(dp=2, tp=2)),
-    (ZeRO(stage=3), Pipeline(microbatches=2)),
+    (Pipeline(microbatches=4), Hybrid(dp=2, tp=2)),
+    (ZeRO(stage=3), Pipeline(microbatches=4)),
 ]
 
 

@@ -78,7 +78,9 @@ def run(
         except (_PeerFailed, PeerEvalFailed) as e:
             return {"rank": ctx.rank, "aborted": e.ranks}, None
         start_step = state.step
-        layout_change = next((c for c in state.layout_changes if c["step"] == start_step), None)
+        layout_change = next(
+            (c for c in reversed(state.layout_changes) if c["step"] == start_step), None
+        )
         # from_pretrained returns a model in eval mode: dropout would silently stay off
         state.model.train()
         publisher = MetricsPublisher(
@@ -121,7 +123,7 @@ def run(
         "checkpoint": loop.checkpoints.last if loop.checkpoints is not None else None,
         "data_ended_at": loop.data_ended_at,
         "trace": loop.trace.summary if loop.trace is not None else None,
-        "layout_change": next((c for c in state.layout_changes if c["step"] == start_step), None),
+        "layout_change": layout_change,
     }
     return summary, state
 

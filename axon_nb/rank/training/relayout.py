@@ -89,6 +89,7 @@ def _state(
     """The run named ``spec.name`` in its new layout, stored: ``old``'s schedule, scaler, data
     and step around the new model and optimizer."""
     parallel, optimizer = new
+    lrs = [group["lr"] for group in optimizer.param_groups]  # as loaded
     if old.own_scheduler:
         if spec.scheduler is None:
             raise ValueError(
@@ -99,6 +100,8 @@ def _state(
     else:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, deepcopy(old.lr_shape))
     scheduler.load_state_dict(scheduler_state)
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):  # (a new scheduler set it)
+        group["lr"] = lr
     state = TrainState(
         name=spec.name,
         strategy=spec.strategy,
@@ -172,5 +175,18 @@ def _build(
         groups=groups,
     )  # fmt: skip
     optimizer = parallel.build_optimizer(OptimizerFactory(optimizer_cls, {}))
-    parallel.set_state(optimizer, full)
+    for group in optimizer.param_groups:  # as a scheduler left them: the state has it too
+        group.setdefault("initial_lr", group["lr"])
+    parallel.set_state(optimizer, _containers(full))  # (loading may rewrite its dicts)
     return parallel, optimizer
+
+
+def _containers(state: Any) -> Any:
+    """``state``'s dicts and lists copied, its tensors shared: what a load may rewrite (a
+    full state dict's entries replaced by their shards) is then a copy, and a failed move can
+    still rebuild the old layout from ``state``."""
+    if isinstance(state, dict):
+        return {k: _containers(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_containers(v) for v in state]
+    return state
