@@ -8,13 +8,12 @@ missing, where they are not installed.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import re
 from pathlib import Path
 
 import pytest
-from lab_server import ARTIFACTS, CHROMIUM
+from lab_server import ARTIFACTS, CHROMIUM, missing
 from test_dashboard import EVAL_EVERY, STREAM, with_evals
 
 from axon_nb.widgets import export
@@ -26,14 +25,7 @@ TRACE = [  # as result.traces holds them (rank order), and the handle hands them
     {"path": "/runs/t/trace-rank1.json", "steps": [5, 7], "compute_ms": 41.0, "comm_ms": 9.6,
      "comm_share": 0.19, "top_ops": [["aten::mm", 12.25]]},
 ]  # fmt: skip
-MISSING = [
-    name
-    for name, present in (
-        ("chromium (apt-get install chromium)", CHROMIUM),
-        ("playwright", importlib.util.find_spec("playwright")),
-    )
-    if not present
-]
+MISSING = missing()
 
 
 def exported(tmp_path: Path) -> Path:

@@ -10,24 +10,16 @@ are not installed (the sparkline also needs the built extension: ``make extensio
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from lab_server import ARTIFACTS, CHROMIUM, ROOT
+from lab_server import ARTIFACTS, CHROMIUM, ROOT, missing
 from test_dashboard import MOVE, STREAM, with_layout_change
 
 from axon_nb.widgets.dashboard import Dashboard
 
-MISSING = [
-    name
-    for name, present in (
-        ("chromium (apt-get install chromium)", CHROMIUM),
-        ("playwright", importlib.util.find_spec("playwright")),
-    )
-    if not present
-]
+MISSING = missing()
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)}"),
