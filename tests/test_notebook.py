@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,23 @@ def test_choose_strategy_notebook_executes(tmp_path: Path) -> None:
     assert "busbw" in text  # the bandwidth table
     assert "best: " in text and "does not fit" in text  # 8 MB is too little for DDP
     assert text.count("memory predicted/measured") == 5
+
+
+def test_fine_tune_eval_notebook_executes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("peft")
+    pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)  # the kernel's working dir: the events go to tmp_path/runs
+    nb = execute(EXAMPLES / "fine_tune_eval.ipynb", tmp_path / "fine_tune_eval.ipynb")
+    text = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
+    evals = [float(x) for x in re.findall(r"eval loss (\S+)", text)]
+    assert len(evals) == 8  # steps 5, 10, ..., 40
+    assert evals == sorted(evals, reverse=True) and evals[-1] < evals[0] / 10
+    before = re.findall(r"^before: (\S+)$", text, re.MULTILINE)
+    after = re.findall(r"^after: +(\S+) ", text, re.MULTILINE)
+    assert len(before) == 3 and before != after
+    assert after == ["abcdefghijkl", "klmnopqrstuv", "wxyzabcdefgh"]  # the pattern, learned
+    assert "every continuation follows the alphabet: True" in text
+    for tag, points in [("train/loss", 40), ("eval/loss", 8), ("eval/accuracy", 8)]:
+        assert re.search(rf"{tag} +{points} points: step +\d+ \S+ -> step 40 ", text), tag
+    assert list((tmp_path / "runs" / "fine_tune_eval").glob("events.out.tfevents.*"))
+    assert "Stopped the cluster (2 ranks)." in text
