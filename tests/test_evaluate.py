@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import FixedTokens, tiny_llama
+from hf_models import FixedTokens, TokenRows, pad, tiny_llama
 from models import make_data, make_mlp, mse
 
 import axon_nb
@@ -88,10 +88,33 @@ def test_bad_input_says_what_to_do_and_the_ranks_stay_usable(cluster: axon_nb.Cl
         with pytest.raises(ValueError, match=match):
             cluster.evaluate(make_data(ROWS), **{"loss": mse, "batch_size": 5, **bad})
     for bad, match in [
-        (dict(metrics={"per_row": lambda o, t: (o - t).abs()}), "per_row must return a scalar"),
+        (dict(metrics={"per_row": lambda o, t: (o - t).abs()}), "'per_row' must return a scalar"),
         (dict(loss=None), "needs loss=loss"),
         (dict(name="nothing"), "nothing"),
     ]:
         with pytest.raises(axon_nb.RankError, match=match):
             cluster.evaluate(make_data(ROWS), **{"loss": mse, "batch_size": 5, **bad})
     assert cluster.run(lambda: 1) == [1, 1]
+
+
+def test_variable_length_rows_evaluate_with_the_runs_collate_fn(cluster: axon_nb.Cluster) -> None:
+    """Rows of different lengths, padded by the run's ``loader`` collate_fn in evaluation too:
+    each rank's padded batches of its samples (``r, r + 2, ...``, 4 per forward), their
+    losses weighted by samples, as one process computes them on the same weights."""
+    rows = TokenRows(count=21)
+    result = cluster.train(
+        tiny_llama, TokenRows(), strategy=DDP(), steps=2, batch_size=8,
+        loader={"collate_fn": pad}, eval_data=rows,
+    )  # fmt: skip
+    model = tiny_llama()
+    model.load_state_dict(cluster.run(_full_model, stream=False)[0])
+    model.eval()
+    total = 0.0
+    with torch.no_grad():
+        for rank in range(2):
+            mine = list(range(rank, len(rows), 2))
+            for start in range(0, len(mine), 4):
+                batch = pad([rows[i] for i in mine[start : start + 4]])
+                total += float(model(**batch).loss) * len(batch["input_ids"])
+    assert result.evals[-1]["samples"] == 21
+    assert result.evals[-1]["loss"] == pytest.approx(total / 21, rel=1e-5)

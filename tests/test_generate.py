@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_models import FixedTokens, tiny_llama
+from hf_models import FixedTokens, lora_llama, tiny_llama
 
 import axon_nb
 from axon_nb import DDP, FSDP, TensorParallel
@@ -25,8 +25,8 @@ def _full_model(name: str = "model") -> dict[str, torch.Tensor]:
     return trainstate.get(name).parallel.full_state_dict()
 
 
-def _one_process(cluster: axon_nb.Cluster, **options: Any) -> torch.Tensor:
-    model = tiny_llama()
+def _one_process(cluster: axon_nb.Cluster, make: Any = tiny_llama, **options: Any) -> torch.Tensor:
+    model = make()
     model.load_state_dict(cluster.run(_full_model, stream=False)[0])
     model.eval()
     with torch.no_grad():
@@ -42,6 +42,14 @@ def test_greedy_tokens_equal_one_process(cluster: axon_nb.Cluster, strategy: Any
     assert torch.equal(got, want)
     # the ranks trained on: generating changed nothing a resumed run depends on
     assert cluster.run(lambda: 1) == [1, 1]
+
+
+def test_a_lora_adapter_under_fsdp_generates_as_in_one_process(cluster: axon_nb.Cluster) -> None:
+    """A PEFT model's generate calls its base model's, never its own forward: FSDP must
+    still gather the root's parameters (the embedding) around it."""
+    cluster.train(lora_llama, FixedTokens(), strategy=FSDP(), steps=3, batch_size=8)
+    got = cluster.generate(PROMPTS, max_new_tokens=8)
+    assert torch.equal(got, _one_process(cluster, lora_llama, do_sample=False))
 
 
 def test_sampling_is_reproducible_with_a_seed(cluster: axon_nb.Cluster) -> None:

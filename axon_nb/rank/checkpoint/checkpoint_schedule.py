@@ -73,7 +73,7 @@ class PeriodicCheckpoints:
         self._since = time.monotonic()
         # async_save runs its planning collectives in a background thread: on a group of its
         # own, so they never interleave with the training's collectives.
-        self._group = dist.new_group(backend="gloo") if ctx.world_size > 1 else None
+        self._group = _save_group() if ctx.world_size > 1 else None
         # The same layout every time: the planner caches its plans and skips re-planning.
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
         if ctx.rank == 0:
@@ -145,3 +145,16 @@ class PeriodicCheckpoints:
     def _barrier(self) -> None:
         if self.ctx.world_size > 1:
             dist.barrier()
+
+
+_SAVE_GROUP: tuple[Any, Any] | None = None
+
+
+def _save_group() -> Any:
+    """The gloo group background saves plan on, made once per world (one call saves at a
+    time; a group per call would keep its threads and sockets for the world's life)."""
+    global _SAVE_GROUP
+    world = dist.group.WORLD
+    if _SAVE_GROUP is None or _SAVE_GROUP[0] is not world:
+        _SAVE_GROUP = (world, dist.new_group(backend="gloo"))
+    return _SAVE_GROUP[1]

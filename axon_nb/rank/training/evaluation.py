@@ -61,10 +61,13 @@ def evaluate_model(
     ctx: runtime.RankContext,
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     max_batches: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
 ) -> dict[str, float]:
     """The loss and ``metrics`` of a laid-out model over ``dataset`` (every rank calls it),
     ``batch_size`` samples per forward on each data-parallel rank. ``max_batches``: stop
-    after that many (a check of the first batch before a run trains)."""
+    after that many (a check of the first batch before a run trains). ``collate_fn``: how
+    items become a batch (the run's ``loader={"collate_fn": ...}``, e.g. padding); default
+    PyTorch's, lists of numbers made tensors."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     index, dp = parallel.dims.data_rank(ctx.rank) if distributed else (0, 1)
     if len(dataset) < dp:  # (every rank sees it: none is left waiting in a collective)
@@ -80,9 +83,9 @@ def evaluate_model(
     try:
         with eval_mode(parallel.model), torch.no_grad():
             for indices, weight in rounds_of(mine, batch_size, rounds):
-                batch = map_tensors(
-                    lambda t: t.to(ctx.device), collate([dataset[i] for i in indices])
-                )
+                items = [dataset[i] for i in indices]
+                batch = (collate_fn or collate)(items)
+                batch = map_tensors(lambda t: t.to(ctx.device), batch)
                 with autocast():
                     values = _batch_values(parallel, batch, loss, metrics)
                 if values is not None:  # (None: not the pipeline's last stage)
@@ -188,7 +191,14 @@ def _forward(
                     "an (input, target) pair runs model(input, target), which returns only "
                     "the loss: pass loss=loss(output, target) to evaluate metrics"
                 )
-            return None, model(inputs, target)
+            try:
+                return None, model(inputs, target)
+            except TypeError as e:  # its forward takes the input only
+                raise ValueError(
+                    "with loss=None an (input, target) pair is evaluated as model(input, "
+                    f"target), which raised TypeError: {e}; this model needs loss=loss(output, "
+                    "target)"
+                ) from e
         return model(inputs), target
     return model(batch), batch
 

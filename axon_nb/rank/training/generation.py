@@ -45,6 +45,7 @@ def generate_run(
             "generate does not run pipeline layouts: save the model (cluster.save) and load "
             "it under DDP, FSDP or TensorParallel to generate"
         )
+    _gather_around_generate(module)
     ids = torch.as_tensor(input_ids).to(ctx.device)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
@@ -58,3 +59,14 @@ def generate_run(
     sequences = getattr(tokens, "sequences", tokens)  # return_dict_in_generate=True
     first = not dist.is_initialized() or dist.get_rank() == 0
     return sequences.cpu() if first else None
+
+
+def _gather_around_generate(module: torch.nn.Module) -> None:
+    """Make FSDP gather the root's own parameters (embeddings, head) around ``generate``, as
+    around ``forward``: a PEFT model's ``generate`` calls its base model's, never its own
+    forward, so FSDP would not gather them. Once per module; a no-op without FSDP."""
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+    if isinstance(module, FSDPModule) and not getattr(module, "_axon_generate_gathers", False):
+        register_fsdp_forward_method(module, "generate")
+        module._axon_generate_gathers = True  # type: ignore[attr-defined]

@@ -3,7 +3,8 @@ evaluate, on what, and a check of the first batch before the run trains.
 
 The evaluation set is split over the data-parallel ranks like ``cluster.evaluate``'s
 (``evaluation.py``), one training micro-batch of samples per forward, under the run's
-autocast. Evaluated steps: every ``eval_every``-th global step, and the call's last step.
+autocast, batched by the run's ``loader={"collate_fn": ...}`` when it has one. Evaluated
+steps: every ``eval_every``-th global step, and the call's last step.
 Example (what the loop does)::
 
     evals = PeriodicEval(spec, ctx, state, autocast, last_step=100)
@@ -69,6 +70,7 @@ class PeriodicEval:
             ctx=self.ctx,
             autocast=self.autocast,
             max_batches=max_batches,
+            collate_fn=(self.spec.loader or {}).get("collate_fn"),
         )
 
     def check(self) -> None:
