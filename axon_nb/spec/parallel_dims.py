@@ -106,13 +106,25 @@ class ParallelDims:
             shape = tuple(getattr(self, a) for a in AXES)
             world = dist.group.WORLD
             built = _BUILT.get((device_type, shape))
-            if built is None or built[0] is not world:
+            if built is None or built[0] is not world or not _alive(*built[1:]):
                 mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
                 # Kept: PyTorch asks that a flattened axis be held, not sliced from the root.
                 dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
                 built = _BUILT[(device_type, shape)] = (world, mesh, dp)
             self._meshes[device_type] = built[1:]
         return self._meshes[device_type]
+
+
+def _alive(mesh: Any, dp: Any) -> bool:
+    """Whether every process group of a kept mesh is still registered (nothing destroyed
+    it since)."""
+    try:
+        for dim in range(mesh.ndim):
+            mesh.get_group(dim)
+        dp.get_group()
+    except (RuntimeError, ValueError, KeyError):
+        return False
+    return True
 
 
 _BUILT: dict[tuple[str, tuple[int, ...]], tuple[Any, Any, Any]] = {}
