@@ -100,39 +100,14 @@ class ParallelDims:
 
     def _build(self, device_type: str) -> tuple[Any, Any]:
         if device_type not in self._meshes:
-            import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = tuple(getattr(self, a) for a in AXES)
-            world = dist.group.WORLD
-            built = _BUILT.get((device_type, shape))
-            if built is None or built[0] is not world or not _alive(*built[1:]):
-                mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-                # Kept: PyTorch asks that a flattened axis be held, not sliced from the root.
-                dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-                built = _BUILT[(device_type, shape)] = (world, mesh, dp)
-            self._meshes[device_type] = built[1:]
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            # Kept here: PyTorch asks that a flattened axis be held, not sliced from the root.
+            dp = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+            self._meshes[device_type] = (mesh, dp)
         return self._meshes[device_type]
-
-
-def _alive(mesh: Any, dp: Any) -> bool:
-    """Whether every process group of a kept mesh is still registered (nothing destroyed
-    it since)."""
-    try:
-        for dim in range(mesh.ndim):
-            mesh.get_group(dim)
-        dp.get_group()
-    except (RuntimeError, ValueError, KeyError):
-        return False
-    return True
-
-
-_BUILT: dict[tuple[str, tuple[int, ...]], tuple[Any, Any, Any]] = {}
-"""The meshes this rank built, by device type and degrees, with the world they belong to.
-A later run with the same degrees in the same world reuses them: each mesh axis is a process
-group, and a gloo group keeps three threads and its sockets for the life of the world, so a
-mesh per call would pile up hundreds of them over a notebook's session (a rank of the test
-suite's shared clusters had 459 groups, 1,392 threads, before this)."""
 
 
 def positive(value: Any) -> bool:

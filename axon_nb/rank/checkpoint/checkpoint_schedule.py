@@ -158,3 +158,9 @@ def _save_group() -> Any:
     if _SAVE_GROUP is None or _SAVE_GROUP[0] is not world:
         _SAVE_GROUP = (world, dist.new_group(backend="gloo"))
     return _SAVE_GROUP[1]
+
+
+def forget_save_group() -> None:
+    """Drop the kept save group (its world is being destroyed)."""
+    global _SAVE_GROUP
+    _SAVE_GROUP = None
