@@ -11,7 +11,7 @@ from hf_models import FixedTokens, TokenRows, pad, tiny_llama
 from models import make_data, make_mlp, mse
 
 import axon_nb
-from axon_nb import DDP, FSDP, TensorParallel, ZeRO
+from axon_nb import DDP, FSDP, Pipeline, TensorParallel, ZeRO
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -42,7 +42,9 @@ def _full_model(name: str = "model") -> dict[str, torch.Tensor]:
     return trainstate.get(name).parallel.full_state_dict()
 
 
-@pytest.mark.parametrize("strategy", [DDP(), FSDP(), ZeRO(stage=2)], ids=str)
+@pytest.mark.parametrize(
+    "strategy", [DDP(), FSDP(), ZeRO(stage=2), Pipeline(microbatches=2)], ids=str
+)
 def test_the_held_model_evaluates_as_in_one_process(
     cluster: axon_nb.Cluster, strategy: Any
 ) -> None:
