@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from axon_nb.strategies import (
         DDP,
         FSDP,
+        ExpertParallel,
         Hybrid,
         LocalSGD,
         Pipeline,
@@ -55,6 +56,7 @@ __all__ = [
     "ClusterOptions",
     "ClusterStartError",
     "ColumnParallelLinear",
+    "ExpertParallel",
     "Hybrid",
     "LocalSGD",
     "NoClusterError",
@@ -96,7 +98,16 @@ _LAZY = {
     "RowParallelLinear": "axon_nb.parallel.tensor",
     "pretrained": "axon_nb.spec.pretrained_model",
     **dict.fromkeys(
-        ["DDP", "FSDP", "Hybrid", "LocalSGD", "Pipeline", "SingleDevice", "Strategy"],
+        [
+            "DDP",
+            "ExpertParallel",
+            "FSDP",
+            "Hybrid",
+            "LocalSGD",
+            "Pipeline",
+            "SingleDevice",
+            "Strategy",
+        ],
         "axon_nb.strategies",
     ),
     "TensorParallel": "axon_nb.strategies",

@@ -22,6 +22,19 @@ def tiny_llama(dropout: float = 0.0) -> Any:
     return LlamaForCausalLM(config)
 
 
+def tiny_mixtral() -> Any:
+    """A 2-layer ``MixtralForCausalLM``, 4 experts, 2 per token (and a ``base_model_ep_plan``)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    return MixtralForCausalLM(config)
+
+
 def pretrained_llama() -> Any:
     """What ``from_pretrained`` gives: a model in eval mode."""
     return tiny_llama(dropout=0.1).eval()

@@ -41,6 +41,8 @@ Schema ``axon_nb.metrics/1`` (all sizes in bytes, all times in seconds)::
           # pipeline strategies only (Strategy.report), this rank's stages in this step:
           "forward_s": float, "backward_s": float,  # time computing forward / backward chunks
           "bubble": float,       # 1 - (forward_s + backward_s) / schedule wall time
+          # expert parallelism only, this rank in this step (all MoE layers together):
+          "expert_tokens": [int, ...],  # tokens it routed to each expert (global index)
         }, ...
       ],
     }

@@ -3,6 +3,8 @@
 Attention keeps separate q/k/v projections and an output projection, and the MLP an up and a
 down projection, so tensor-parallel plans can name them (column: q, k, v, up; row: out, down).
 Blocks live in ``model.blocks`` (an ``nn.ModuleList``) for auto-wrapping and pipeline cuts.
+With ``GPTConfig(experts=E, top_k=k)`` each block's MLP is a mixture of experts
+(``axon_nb.models.moe``), which ``ExpertParallel`` splits over ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import TensorDataset
+
+from axon_nb.models.moe import MoE
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +33,12 @@ class GPTConfig:
     """Attention heads per block."""
     n_embd: int = 32
     """Hidden size (divisible by ``n_head``)."""
+    experts: int = 0
+    """Experts per block's MLP (``axon_nb.models.moe``); 0: a dense MLP."""
+    top_k: int = 2
+    """With ``experts``: experts each token is routed to."""
+    aux_loss_coef: float = 0.0
+    """With ``experts``: weight of the load-balancing loss added to ``model(idx, targets)``."""
 
 
 class Attention(nn.Module):
@@ -69,7 +79,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = Attention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = (
+            MoE(config.n_embd, config.experts, config.top_k) if config.experts else MLP(config)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -99,7 +111,13 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.ln_f(x))
-        return logits if targets is None else lm_loss(logits, targets)
+        if targets is None:
+            return logits
+        loss = lm_loss(logits, targets)
+        if self.config.experts and self.config.aux_loss_coef:
+            aux = sum(b.mlp.aux_loss for b in self.blocks)  # type: ignore[union-attr]
+            loss = loss + self.config.aux_loss_coef * aux / len(self.blocks)
+        return loss
 
     def pipeline_layers(self) -> list[nn.Module]:
         """The model as layers in forward order, for pipeline cuts: embedding, each block,

@@ -17,6 +17,7 @@ def apply_ddp(
     device: torch.device,
     config: DDPConfig,
     local_sgd: LocalSGDConfig | None = None,
+    ignored: list[str] | None = None,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DDP over ``group`` (the data-parallel ranks) with ``config``'s hook,
     or with ``local_sgd``: PyTorch's post-local SGD hook, which all-reduces gradients for the
@@ -26,6 +27,8 @@ def apply_ddp(
     The hook is always a Python one, even for plain fp32: its all-reduce goes through
     ``torch.distributed.all_reduce``, where the metrics probe measures bytes and time.
     """
+    if ignored:  # parameters synchronised elsewhere (expert parallelism's experts)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
     ddp = DistributedDataParallel(
         model,
         device_ids=[device] if device.type == "cuda" else None,

@@ -43,9 +43,15 @@ def wrap_targets(
     return [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
 
 
-def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    config: FSDPConfig,
+    ignored: set[nn.Parameter] | None = None,
+) -> nn.Module:
     """Shard ``model``'s units (inner first, see :func:`wrap_targets`) and then ``model`` over
-    ``mesh`` (1-D: FSDP, 2-D (replicate, shard): hybrid sharding).
+    ``mesh`` (1-D: FSDP, 2-D (replicate, shard): hybrid sharding); ``ignored`` parameters stay
+    as they are (expert parallelism's experts, sharded on their own axis).
 
     A pipeline stage (an ``nn.Sequential`` of layers) with no unit inside is sharded layer by
     layer. ``cpu_offload`` moves shards to the CPU between uses; on CPU ranks they are there
@@ -63,6 +69,8 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, config: FSDPConfig) -> nn.Mod
     )
     if config.cpu_offload and mesh.device_type != "cpu":
         options["offload_policy"] = CPUOffloadPolicy()
+    if ignored:
+        options["ignored_params"] = ignored
     for unit in units:
         fully_shard(unit, **options)
     fully_shard(model, **options)

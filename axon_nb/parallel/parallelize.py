@@ -3,6 +3,8 @@
 The order, and why::
 
     1. tensor parallel        replaces Linear weights with DTensors; everything after wraps them
+       expert parallel        shards stacked expert weights over ``ep`` (DTensors too), makes
+                              their modules dispatch tokens by all-to-all; step 5 leaves them be
     2. activation checkpoint  wraps blocks, so stages hold and FSDP shards the wrapped blocks
     3. compile (optional)     torch.compile each block in place, before it is sharded
     4. pipeline split         keeps this rank's stages, frees the other layers
@@ -27,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,13 +46,20 @@ from axon_nb.parallel.activation_checkpoint import (
 )
 from axon_nb.parallel.compile import apply_compile
 from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
+from axon_nb.parallel.dtensor_cache import forget_cached_meshes
+from axon_nb.parallel.expert import apply_ep, reduce_expert_grads, take_routed_tokens
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
 from axon_nb.parallel.param_groups import GroupPlan, check_built, check_settings, plan_groups
 from axon_nb.parallel.pipeline import PipelinedModel
 from axon_nb.parallel.tensor import apply_tp
 from axon_nb.parallel.zero2 import GradShardedModel
-from axon_nb.spec.parallel_config import ParallelConfig, PipelineConfig, TensorConfig
+from axon_nb.spec.parallel_config import (
+    ExpertConfig,
+    ParallelConfig,
+    PipelineConfig,
+    TensorConfig,
+)
 from axon_nb.spec.parallel_dims import ParallelDims
 
 
@@ -70,6 +80,7 @@ def parallelize(
     meta device, ``part -> None`` makes a part's parameters real and fills them
     (``axon_nb.rank.training.meta_init.loader``)."""
     groups = groups if groups is not None else plan_groups(model)
+    forget_cached_meshes()  # (DTensor's caches would hand this layout an earlier one's mesh)
     mesh = dims.mesh(device.type) if dist.is_initialized() else None
     dp_group = dims.dp_mesh(device.type).get_group() if mesh is not None else None
     coords = dims.coords(dist.get_rank() if dist.is_initialized() else 0)
@@ -82,6 +93,10 @@ def parallelize(
     if dims.tp > 1:
         owned = pipeline.owned_module_names(model, bounds, mine, split) if piped else None
         apply_tp(model, mesh["tp"], config.tensor or TensorConfig(), owned)
+    experts: list[nn.Parameter] = []
+    if dims.ep > 1:
+        plan = (config.expert or ExpertConfig()).plan
+        experts = [p for m in apply_ep(model, mesh["ep"], plan) for p in m.parameters()]
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing)
     if compile:
@@ -89,7 +104,7 @@ def parallelize(
     # (the layers are read again: checkpointing and compiling may have wrapped them)
     parts = pipeline.cut_stages(model, bounds, mine, split) if piped else [model]
     parts = [
-        _data_parallel(part, dims, config, mesh, dp_group, device, groups, materialize)
+        _data_parallel(part, dims, config, mesh, dp_group, device, groups, materialize, experts)
         for part in parts
     ]
     if piped:
@@ -112,6 +127,8 @@ def parallelize(
         mesh=mesh,
         dp_group=dp_group,
         groups=groups,
+        experts=experts,
+        edp_group=dims.edp_mesh(device.type).get_group() if experts else None,
     )
 
 
@@ -124,13 +141,15 @@ def _data_parallel(
     device: torch.device,
     groups: GroupPlan,
     materialize: Callable[[nn.Module], None] | None = None,
+    experts: list[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Step 5: ``part`` replicated or sharded over the data-parallel ranks (and its meta
-    parameters made real by ``materialize``: before replication, after sharding)."""
+    parameters made real by ``materialize``: before replication, after sharding), but for
+    its ``experts`` parameters."""
     sharded = config.data_parallel == "fsdp"
     if materialize is not None and not sharded:
         materialize(part)
-    part = _replicate_or_shard(part, dims, config, mesh, dp_group, device, groups)
+    part = _replicate_or_shard(part, dims, config, mesh, dp_group, device, groups, experts or [])
     if materialize is not None and sharded:
         materialize(part)
     return part
@@ -144,12 +163,15 @@ def _replicate_or_shard(
     dp_group: Any,
     device: torch.device,
     groups: GroupPlan,
+    experts: list[nn.Parameter],
 ) -> nn.Module:
     kind = config.data_parallel
+    mine = {id(p) for p in experts}
     if kind in ("ddp", "zero1"):
         assert config.ddp is not None
         local_sgd = config.local_sgd if kind == "ddp" else None
-        return apply_ddp(part, dp_group, device, config.ddp, local_sgd)
+        ignored = [n for n, p in part.named_parameters() if id(p) in mine]
+        return apply_ddp(part, dp_group, device, config.ddp, local_sgd, ignored)
     if kind == "zero2":
         by_group = [g["params"] for g in groups.groups(part.named_parameters())]
         return GradShardedModel(
@@ -160,7 +182,10 @@ def _replicate_or_shard(
         # Hybrid sharding: shard within dp_shard, replicate across dp_replicate (2-D mesh).
         replicated = dims.dp_replicate > 1
         fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicated else mesh["dp_shard"]
-        return apply_fsdp(part, fsdp_mesh, config.fsdp)
+        if dims.ep > 1:  # the experts' ranks read different data: all of dp shards the rest
+            fsdp_mesh = dims.dp_mesh(device.type)
+        ignored = {p for p in part.parameters() if id(p) in mine}
+        return apply_fsdp(part, fsdp_mesh, config.fsdp, ignored)
     return part
 
 
@@ -180,6 +205,10 @@ class ParallelModel:
     """The process group of this rank's data-parallel ranks (None without a process group)."""
     groups: GroupPlan
     """The optimizer's parameter groups, by parameter name (trainable parameters only)."""
+    experts: list[nn.Parameter] = dataclasses.field(default_factory=list)
+    """Expert parallelism's sharded expert weights (their gradients are reduced apart)."""
+    edp_group: Any = None
+    """With experts: the group of the ranks that hold the same experts."""
 
     @property
     def pipeline(self) -> PipelinedModel | None:
@@ -204,6 +233,12 @@ class ParallelModel:
         """After a step's last backward: wait for gradient reductions still in flight."""
         if isinstance(self.model, GradShardedModel):
             self.model.finish_backward()
+
+    def reduce_expert_grads(self) -> None:
+        """After a step's backward (every layout, pipelines too): the experts' gradients
+        averaged like the other parameters' (``axon_nb.parallel.expert``)."""
+        if self.experts:
+            reduce_expert_grads(self.experts, self.edp_group, self.dims.dp)
 
     def build_optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
         """The optimizer over this rank's trainable parameters in the run's groups (sharded
@@ -296,8 +331,12 @@ class ParallelModel:
             set_optimizer_state_dict(self.model, optimizer, state["optimizer"], options=options)
 
     def report(self) -> dict[str, Any]:
-        """Layout-specific figures of this step for the metrics stream (pipeline timing)."""
-        return dict(self.pipeline.last_step) if self.pipeline is not None else {}
+        """Layout-specific figures of this step for the metrics stream: pipeline timing, and
+        with expert parallelism ``expert_tokens``, the tokens this rank routed to each expert."""
+        figures = dict(self.pipeline.last_step) if self.pipeline is not None else {}
+        if self.experts:
+            figures["expert_tokens"] = take_routed_tokens(self.root)
+        return figures
 
     def _param_groups(self) -> list[dict[str, Any]]:
         """The run's parameter groups over the parameters this rank trains."""

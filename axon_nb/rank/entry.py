@@ -91,6 +91,14 @@ def sever() -> int:
 # rank/world/interrupts.py): an interrupt mid-import would break the module for good.
 
 
+def expert_layout_problem(factory: Any, plan: Any, ep: int) -> str | None:
+    """Why the model ``factory`` builds cannot be split over ``ep`` expert-parallel ranks with
+    ``plan`` (checked on a meta-device copy), or None."""
+    from axon_nb.parallel.expert_plan import factory_problem
+
+    return factory_problem(factory, plan, ep)
+
+
 def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
     """Run a training spec (pickled) to the end; this rank's summary. A first Ctrl-C from
     here on (imports and setup included) stops the run at a step boundary."""

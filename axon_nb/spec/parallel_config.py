@@ -169,6 +169,26 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ExpertConfig:
+    """Expert parallelism over the ``ep`` axis (``axon_nb.parallel.expert``)."""
+
+    plan: tuple[str, ...] | None = None
+    """Module-name patterns of the experts modules; None: the model's own (a transformers
+    model's ``base_model_ep_plan``, else every module with ``[num_experts, ...]`` weights)."""
+
+    def problems(self) -> list[str]:
+        plan = self.plan
+        if plan is None:
+            return []
+        if isinstance(plan, str) or not plan or not all(isinstance(p, str) and p for p in plan):
+            return [
+                "plan must be a tuple of module-name patterns of the experts modules, e.g. "
+                f"('model.layers.*.mlp.experts',), or None (the model's own); got {plan!r}"
+            ]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LocalSGDConfig:
     """Post-local SGD on DDP: gradients all-reduced for ``warmup_steps``, then each rank
     steps on its own gradients and the parameters are averaged every ``period`` steps."""
@@ -207,6 +227,8 @@ class ParallelConfig:
     """Options of tensor parallelism (used when ``tp > 1``)."""
     pipeline: PipelineConfig | None = None
     """Options of the pipeline (used when ``pp > 1``)."""
+    expert: ExpertConfig | None = None
+    """Options of expert parallelism (used when ``ep > 1``)."""
     activation_checkpointing: int = 0
     """Recompute every n-th block's activations in backward; 0: off."""
     local_sgd: LocalSGDConfig | None = None

@@ -7,6 +7,7 @@ from typing import Any
 
 from axon_nb.strategies.base import SingleDevice, Strategy
 from axon_nb.strategies.ddp import DDP
+from axon_nb.strategies.expert import ExpertParallel
 from axon_nb.strategies.fsdp import FSDP
 from axon_nb.strategies.hybrid import Hybrid
 from axon_nb.strategies.local_sgd import LocalSGD
@@ -16,6 +17,7 @@ from axon_nb.strategies.zero import ZeRO
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "ddp": DDP,
+    "expert": ExpertParallel,
     "fsdp": FSDP,
     "zero": ZeRO,
     "pipeline": Pipeline,
@@ -30,6 +32,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "STRATEGIES",
+    "ExpertParallel",
     "Hybrid",
     "LocalSGD",
     "Pipeline",

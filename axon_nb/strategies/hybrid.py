@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from axon_nb.spec.parallel_config import (
     DDPConfig,
+    ExpertConfig,
     FSDPConfig,
     ParallelConfig,
     PipelineConfig,
@@ -22,9 +23,11 @@ FSDP_ONLY = ("shard_size", "param_dtype", "reduce_dtype", "cpu_offload")
 
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class Hybrid(Strategy):
-    """``dp`` x ``tp`` x ``pp`` ranks on one mesh (``axon_nb.spec.parallel_dims``): the model is cut
-    into ``pp`` pipeline stages, each stage's layers are split over ``tp`` ranks, and each of
-    those is replicated or sharded over ``dp`` data-parallel ranks.
+    """``dp`` x ``ep`` x ``tp`` x ``pp`` ranks on one mesh (``axon_nb.spec.parallel_dims``):
+    the model is cut into ``pp`` pipeline stages, each stage's layers are split over ``tp``
+    ranks, and each of those is replicated or sharded over ``dp`` data-parallel ranks. With
+    ``ep``, each MoE layer's experts are also split over ``ep`` ranks (see
+    :class:`ExpertParallel`).
 
     The data-parallel axis is FSDP (``data_parallel="fsdp"``, with FSDP's ``sharding`` modes:
     ``hybrid_shard`` shards within groups of ``shard_size`` and replicates across them) or
@@ -39,12 +42,17 @@ class Hybrid(Strategy):
         cluster.train(model=GPT, data=ds, loss=lm_loss, steps=100, batch_size=32,
                       strategy=Hybrid(dp=2, tp=2, pp=2, microbatches=4))
         Hybrid(dp=4, tp=2, sharding="hybrid_shard", shard_size=2)   # 2 replicas x 2 shards
+        Hybrid(dp=2, ep=2, data_parallel="ddp")   # experts split in 2, each held twice
     """
 
     name: ClassVar[str] = "hybrid"
 
     dp: int = 1
-    """Data-parallel degree."""
+    """Data-parallel degree (with ``ep``: the replicas of each expert)."""
+    ep: int = 1
+    """Expert-parallel degree (see :class:`ExpertParallel`): each MoE layer's experts are
+    split over ``ep`` ranks, which read different data, so everything else is data-parallel
+    over ``dp x ep`` ranks."""
     tp: int = 1
     """Tensor-parallel degree."""
     pp: int = 1
@@ -75,17 +83,31 @@ class Hybrid(Strategy):
     """First layer index of every pipeline stage after the first."""
     split: tuple[str, ...] | None = None
     """Module names to cut the model into for the pipeline (see :class:`Pipeline`)."""
+    expert_plan: tuple[str, ...] | None = None
+    """With ``ep``: module-name patterns of the experts modules (see :class:`ExpertParallel`)."""
 
     def problems(self) -> list[str]:
         errors = Strategy.problems(self)
         bad = [
             f"{a}={getattr(self, a)!r}"
-            for a in ("dp", "tp", "pp")
+            for a in ("dp", "ep", "tp", "pp")
             if not positive(getattr(self, a))
         ]
         if bad:
             errors.append(f"parallel degrees must be positive integers, got {', '.join(bad)}")
         errors += self._tensor().problems() + self._pipeline().problems()
+        errors += ExpertConfig(plan=self.expert_plan).problems()
+        if positive(self.ep) and self.ep > 1:
+            if positive(self.tp) and self.tp > 1:
+                errors.append(
+                    "ep with tp > 1 is not supported yet: combine expert parallelism with data "
+                    "and pipeline parallelism (Hybrid(dp=, ep=, pp=))"
+                )
+            if self.sharding == "hybrid_shard":
+                errors.append(
+                    "ep with sharding='hybrid_shard' is not supported yet: use full_shard, or "
+                    "data_parallel='ddp'"
+                )
         if self.data_parallel not in DATA_PARALLEL:
             errors.append(f"data_parallel must be 'fsdp' or 'ddp', got {self.data_parallel!r}")
         elif self.data_parallel == "ddp":
@@ -120,17 +142,23 @@ class Hybrid(Strategy):
         else:
             replicate, shard = split_data_parallel(self.dp, self.sharding, self.shard_size or 1)
         return ParallelDims(
-            dp_replicate=replicate, dp_shard=shard, tp=self.tp, pp=self.pp, world_size=world_size
+            dp_replicate=replicate,
+            dp_shard=shard,
+            ep=self.ep,
+            tp=self.tp,
+            pp=self.pp,
+            world_size=world_size,
         )
 
     def config(self) -> ParallelConfig:
         fsdp = self.data_parallel == "fsdp"
         return ParallelConfig(
-            data_parallel=self.data_parallel if self.dp > 1 else "none",
+            data_parallel=self.data_parallel if self.dp * self.ep > 1 else "none",
             ddp=None if fsdp else DDPConfig(),
             fsdp=self._fsdp() if fsdp else None,
             tensor=self._tensor(),
             pipeline=self._pipeline(),
+            expert=ExpertConfig(plan=self.expert_plan),
             activation_checkpointing=self._checkpoint_every(),
         )
 

@@ -10,6 +10,7 @@ from axon_nb.spec.dask_rows import is_dask_data
 from axon_nb.spec.train_spec import TrainSpec, check_world, make_spec
 from axon_nb.strategies import DDP
 from axon_nb.train.dask_data import partitions
+from axon_nb.train.expert_check import check_experts
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.recovery import train_with_restarts
 from axon_nb.train.result import TrainResult
@@ -146,6 +147,7 @@ def train(
         trace=trace,
     )
     check_world(spec, len(cluster.targets()), cluster.ranks_per_host)
+    check_experts(cluster, spec)
     if is_dask_data(spec.data):
         partitions(spec.data, spec.columns)  # checks the columns before anything runs
     elif spec.columns is not None:

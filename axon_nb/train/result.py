@@ -6,9 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-PER_RANK_FIELDS = ("loss", "step_time_s", "comm_bytes", "comm_time_s", "bubble")
+PER_RANK_FIELDS = (
+    "loss", "step_time_s", "comm_bytes", "comm_time_s", "bubble", "expert_tokens",
+)  # fmt: skip
 """Step figures kept for every rank under ``history[i]["per_rank"]`` (``bubble``: the
-share of a pipeline step a stage spent idle; None for other strategies)."""
+share of a pipeline step a stage spent idle; ``expert_tokens``: with expert parallelism, the
+tokens a rank routed to each expert; None for other strategies)."""
 
 
 def merge_records(by_rank: Mapping[int, Mapping[int, dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -119,6 +122,13 @@ class TrainResult:
             if b is not None
         ]
         return sum(values) / len(values) if values else None
+
+    @property
+    def expert_tokens(self) -> list[int] | None:
+        """Expert-parallel runs: tokens routed to each expert over the whole run, all ranks and
+        MoE layers together (the load balance); None for other strategies."""
+        rows = [t for h in self.history for t in h["per_rank"]["expert_tokens"] if t]
+        return [sum(column) for column in zip(*rows, strict=True)] if rows else None
 
     @property
     def evals(self) -> list[dict[str, Any]]:

@@ -150,6 +150,7 @@ function render({ model, el: root }) {
   const redraw = () => drawLoss(lossBox, series, perRank, model.get("layout_changes") || []);
   const memoryBox = el("div", { class: "axon-memory" });
   const commBox = el("div", { class: "axon-comm" });
+  const expertBox = el("div", { class: "axon-experts" });
   const errors = el("div", { class: "axon-errors" });
   const hang = el("pre", { class: "axon-hang" });
   const traceBox = el("div", { class: "axon-trace" });
@@ -161,7 +162,7 @@ function render({ model, el: root }) {
     lossBox,
     el("div", { class: "axon-section" }, ["Memory per rank"]), memoryBox,
     el("div", { class: "axon-section" }, ["Communication per rank (per step)"]), commBox,
-    traceBox, errors, hang,
+    expertBox, traceBox, errors, hang,
   );
 
   function drawTrace() {
@@ -235,6 +236,23 @@ function render({ model, el: root }) {
     }));
   }
 
+  function drawExperts() {
+    // Expert parallelism: tokens routed to each expert in the latest step (load balance).
+    const e = model.get("experts");
+    if (!e) { expertBox.replaceChildren(); return; }
+    const top = Math.max(1, ...e.total);
+    expertBox.replaceChildren(
+      el("div", { class: "axon-section" }, [
+        `Tokens per expert (latest step) · busiest / mean ${e.imbalance.toFixed(2)}`]),
+      ...e.total.map((n, i) => el("div", { class: "axon-row", "data-expert": i }, [
+        el("span", { class: "axon-label" }, [`expert ${i}`]),
+        el("div", { class: "axon-bar" }, [el("div", { class: "axon-bar-held", style: `width:${(100 * n) / top}%` })]),
+        el("span", { class: "axon-value" }, [
+          `${n} tokens · from ranks ${e.per_rank.map((t) => (t ? t[i] : "–")).join(" / ")}`]),
+      ])),
+    );
+  }
+
   function setLoss() {
     const full = model.get("loss");
     series = {
@@ -259,12 +277,12 @@ function render({ model, el: root }) {
     root.setAttribute("data-points", series.steps.length);
   });
   for (const [name, draw] of [["ranks", drawHead], ["title", drawHead], ["progress", drawProgress],
-    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["loss", setLoss],
+    ["frozen", drawProgress], ["memory", drawMemory], ["communication", drawComm], ["experts", drawExperts], ["loss", setLoss],
     ["layout_changes", redraw], ["hang_report", drawHang],
     ["trace_summary", drawTrace]]) {
     model.on(`change:${name}`, draw);
   }
-  drawHead(); drawProgress(); drawMemory(); drawComm(); setLoss(); drawHang(); drawTrace();
+  drawHead(); drawProgress(); drawMemory(); drawComm(); drawExperts(); setLoss(); drawHang(); drawTrace();
 }
 
 export default { render };

@@ -49,6 +49,9 @@ class DashboardState:
         self.layout_changes: list[dict[str, Any]] = []
         """Each move of the run to another strategy (``step``, ``from``, ``to``, ``seconds``),
         oldest first: a ``resume=True`` call under a new strategy begins with one."""
+        self.expert_tokens: dict[int, list[int]] = {}
+        """With expert parallelism: per rank, the tokens it routed to each expert in its latest
+        step (all MoE layers together)."""
         self._pending: list[tuple[int, float]] = []
         self._pending_evals: list[dict[str, Any]] = []
         self.frozen = False
@@ -70,6 +73,8 @@ class DashboardState:
         records = message.get("records") or ()
         if records:
             self.rates[rank] = records[-1]["samples_per_s"]
+            if records[-1].get("expert_tokens") is not None:
+                self.expert_tokens[rank] = records[-1]["expert_tokens"]
         for record in records:
             step = record["step"]
             self.rank_loss.setdefault(rank, {})[step] = record["rank_loss"]
@@ -172,6 +177,22 @@ class DashboardState:
             rows.append({"rank": rank, "per_step": per_kind, "share": share})
         return rows
 
+    def experts(self) -> dict[str, Any] | None:
+        """With expert parallelism: tokens routed to each expert in the latest step, in total
+        and by the rank that routed them, and ``imbalance`` (busiest expert / mean; 1.0 is
+        perfectly balanced); None for other runs."""
+        if not self.expert_tokens:
+            return None
+        per_rank = [self.expert_tokens.get(r) for r in range(self.world_size)]
+        known = [t for t in per_rank if t is not None]
+        total = [sum(column) for column in zip(*known, strict=True)]
+        mean = sum(total) / len(total) if total else 0
+        return {
+            "total": total,
+            "per_rank": per_rank,
+            "imbalance": max(total) / mean if mean else 1.0,
+        }
+
     def snapshot(self, now: float | None = None) -> dict[str, Any]:
         """Everything the widget shows, as plain JSON-able data."""
         return {
@@ -192,6 +213,7 @@ class DashboardState:
             "layout_changes": [dict(c) for c in self.layout_changes],
             "memory": self.memory(),
             "comm": self.comm(),
+            "experts": self.experts(),
             "frozen": self.frozen,
             "trace_summary": list(self.trace_summary),
         }

@@ -47,6 +47,7 @@ class Dashboard(anywidget.AnyWidget):
     ranks = traitlets.List().tag(sync=True)
     memory = traitlets.List().tag(sync=True)
     communication = traitlets.List().tag(sync=True)
+    experts = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
     loss = traitlets.Dict().tag(sync=True)
     layout_changes = traitlets.List().tag(sync=True)
     """Each move of the run to another strategy (``step``, ``from``, ``to``, ``seconds``): a
@@ -143,6 +144,7 @@ class Dashboard(anywidget.AnyWidget):
             self.ranks = snapshot["ranks"]
             self.memory = snapshot["memory"]
             self.communication = snapshot["comm"]
+            self.experts = snapshot["experts"]
             self.frozen = snapshot["frozen"]
             self.layout_changes = snapshot["layout_changes"]
             if full:

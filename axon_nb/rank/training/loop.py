@@ -485,6 +485,7 @@ class _Loop:
         """Forward, backward, clipping and the optimizer step; the loss and gradient norm."""
         spec, state = self.spec, self.state
         loss = self._forward_backward(microbatches)
+        state.parallel.reduce_expert_grads()
         if state.scaler is not None:
             state.scaler.unscale_(state.optimizer)
         norm = None

@@ -1,0 +1,27 @@
+"""Forgetting the device meshes DTensor's dispatch caches hold from earlier layouts.
+
+DTensor caches its sharding decisions keyed by the input specs, and a ``DeviceMesh`` compares
+equal to any other mesh of the same shape, names and ranks, whatever process groups it holds.
+So an op on a new run's DTensors can return a DTensor on an *earlier* run's mesh, and its next
+collective goes over that run's groups. That works while those groups live; after the world is
+re-formed (``rank/world/world.py``: group names restart at 0) the names point nowhere ("Could
+not resolve the process group registered under the name 63") or at another group (a gather of
+the wrong size). Each layout and each world starts with the caches empty.
+
+Example::
+
+    forget_cached_meshes()   # before parallelize builds a mesh, after the world re-forms
+"""
+
+from __future__ import annotations
+
+
+def forget_cached_meshes() -> None:
+    """Clear DTensor's sharding-propagation caches, Python's and the C++ fast path's (what
+    PyTorch's ``torch.distributed.tensor.debug`` calls the way to clear them all), and its
+    cached redistribution plans."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _redistribute._gen_transform_infos.cache_clear()
