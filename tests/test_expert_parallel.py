@@ -240,3 +240,31 @@ def test_the_dashboard_shows_each_experts_load() -> None:
         dashboard.message(rank, {**HEAD, "records": [record]})
     dashboard.done({})
     assert dashboard.experts == experts  # the widget's synced trait
+
+
+def test_predictions_know_expert_parallelism(cluster: axon_nb.Cluster) -> None:
+    """Predicted peak memory and communication per step against the ranks' measurement,
+    within 5% (``cluster.compare`` puts them side by side), and the advisor proposes it."""
+    moe = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=32, experts=4)
+    train = dict(
+        model=lambda: GPT(moe),
+        data=lambda: token_dataset(256, block_size=32, vocab_size=256),
+        loss=lm_loss,
+        batch_size=16,
+        optimizer=("adamw", {"lr": 1e-3}),
+        steps=3,
+        warmup=1,
+    )
+    table = cluster.compare([ExpertParallel(ep=2), ExpertParallel(ep=2, data_parallel="fsdp")],
+                            **train)  # fmt: skip
+    off = []
+    for row in table.rows:
+        assert row["status"] == "ok", row
+        memory = row["predicted_peak_bytes"] / row["peak_bytes"]
+        comm = row["predicted_comm_bytes"] / row["comm_bytes_per_step"]
+        if not (0.95 <= memory <= 1.05 and 0.95 <= comm <= 1.05):
+            off.append(f"{row['strategy']}: memory x{memory:.3f}, communication x{comm:.3f}")
+    assert not off, "predictions off:\n" + "\n".join(off)
+    advice = cluster.advise(train["model"], train["data"], lm_loss, device_memory="1GB",
+                            batch_size=16)  # fmt: skip
+    assert any(isinstance(r["strategy"], ExpertParallel) for r in advice.rows)

@@ -159,6 +159,14 @@ def default_candidates(profile: ModelProfile, world_size: int, per_host: int) ->
             found.append(
                 TensorParallel() if tp == world_size else Hybrid(dp=world_size // tp, tp=tp)
             )
+    experts = [layer.experts for layer in profile.layers if layer.experts]
+    if experts:  # a mixture of experts: split them over as many ranks as divide them all
+        from axon_nb.strategies import ExpertParallel
+
+        fits = [ep for ep in (8, 4, 2) if world_size % ep == 0 and all(e % ep == 0 for e in
+                experts)]  # fmt: skip
+        if fits:
+            found.append(ExpertParallel(ep=fits[0]))
     if len(profile.layers) >= 2 and world_size >= 2:
         pp = 2 if world_size > 2 else world_size
         found.append(Pipeline(microbatches=8) if pp == world_size

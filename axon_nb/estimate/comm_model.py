@@ -20,6 +20,11 @@ tensor parallel                all-reduce each row-parallel output (forward) and
 sequence parallel              reduce-scatter both of those; all-gather their sequence
                                shards back (``A / tp``), and the stream entering and
                                leaving the blocks
+expert parallel                all-to-all of 8 bytes per expert, then of each (token,
+                               expert) assignment's hidden vector 4 times (there and
+                               back, forward and backward); the experts' gradients
+                               all-reduced over their ``edp`` replicas; DDP and FSDP
+                               leave the experts out
 pipeline                       send and receive each boundary activation and its gradient
                                (none behind frozen layers only), per micro-batch
 LocalSGD (after warm-up)       all-reduce of ``T b`` every ``period`` steps, no gradients
@@ -65,10 +70,13 @@ def comm_by_axis(
     out["world", "all_reduce"] += AGREEMENT_BYTES
     tp = layout.dims.tp
     layers = [profile.layers[i] for i in layout.layers]
-    local = sum(layer.local_params(tp) for layer in layers)
-    trained = sum(layer.local_trainable(tp) for layer in layers)
+    experts = layout.experts(layers)
+    local = sum(layer.local_params(tp) for layer in layers) - experts
+    trained = sum(layer.local_trainable(tp) for layer in layers) - experts
     b = profile.param_bytes
     _data_parallel(out, layout, (local, trained), b, local_sgd_step)
+    if experts:
+        _expert_parallel(out, layout, layers, experts * b)
     if tp > 1:
         _tensor_parallel(out, layout, layers)
     if layout.dims.pp > 1:
@@ -102,7 +110,7 @@ def _data_parallel(
     elif kind == "fsdp":
         fsdp = layout.config.fsdp
         assert fsdp is not None
-        shards = layout.dims.dp_shard
+        shards = layout.param_shards
         gather_b = DTYPE_BYTES.get(fsdp.param_dtype or "", b)
         reduce_b = DTYPE_BYTES.get(fsdp.reduce_dtype or fsdp.param_dtype or "", b)
         if shards > 1:
@@ -114,6 +122,20 @@ def _data_parallel(
             out["dp_shard", "reduce_scatter"] += trained * reduce_b
         if layout.dims.dp_replicate > 1:
             out["dp_replicate", "all_reduce"] += trained * reduce_b / shards
+
+
+def _expert_parallel(
+    out: dict[tuple[str, str], float], layout: RankLayout, layers: list, expert_bytes: float
+) -> None:
+    """Per MoE layer and micro-batch: the counts (8 bytes per expert), then each assignment's
+    hidden vector there and back, in forward and again in backward (as many arrive as leave
+    when the routing is balanced); the experts' gradients all-reduced over their replicas."""
+    samples = layout.micro_samples * layout.microbatches
+    routed = sum(layer.routed_bytes for layer in layers) * samples
+    counts = sum(8 * layer.experts for layer in layers) * layout.microbatches
+    out["ep", "all_to_all"] += 4 * routed + counts
+    if layout.dims.edp > 1:
+        out["edp", "all_reduce"] += expert_bytes / layout.dims.ep
 
 
 def _tensor_parallel(out: dict[tuple[str, str], float], layout: RankLayout, layers: list) -> None:

@@ -28,6 +28,9 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                come back to a stage when it and every layer before it are frozen), and
                ``T b`` of weight gradients a micro-batch's backward returns before they
                are added to the accumulated ones
+``experts``    with expert parallelism (``ep`` ranks), the expert parameters ``X`` are
+               taken out of ``P`` and ``T`` above and counted as ``X / ep`` of
+               parameters, gradients and optimizer state on every rank
 ``gathered``   FSDP: whole parameters of two units at once (the one running and the
                prefetched next) and one unit's whole gradients on their way into its
                reduce-scatter; without resharding after forward, all parameters. A
@@ -70,20 +73,23 @@ def predict_memory(
     ``optimizer`` as ``train`` takes it (a callable is counted as Adam)."""
     tp, b = layout.dims.tp, profile.param_bytes
     layers = [profile.layers[i] for i in layout.layers]
-    local = sum(layer.local_params(tp) for layer in layers)
-    trained = sum(layer.local_trainable(tp) for layer in layers)
+    # expert parallelism: the experts are split over ep ranks, the rest as the strategy says
+    experts = layout.experts(layers)
+    local = sum(layer.local_params(tp) for layer in layers) - experts
+    trained = sum(layer.local_trainable(tp) for layer in layers) - experts
+    mine = experts / layout.dims.ep
     fsdp = layout.config.fsdp if layout.kind == "fsdp" else None
     compute = mixed_precision or (fsdp.param_dtype if fsdp is not None else None)
     half = 0.5 if compute in HALF else 1.0
     replicated = layout.kind in ("ddp", "zero1")
     terms = {
-        "params": local * b / layout.param_shards,
-        "optimizer": trained * state_bytes(optimizer) / layout.optimizer_shards,
+        "params": local * b / layout.param_shards + mine * b,
+        "optimizer": (trained / layout.optimizer_shards + mine) * state_bytes(optimizer),
         "buckets": trained * b if replicated else 0.0,
         "rebuild": trained * b * (2 if layout.config.activation_checkpointing else 1)
         if replicated
         else 0.0,
-        "grads": trained * b / (layout.param_shards if layout.dims.pp == 1 else 1),
+        "grads": trained * b / (layout.param_shards if layout.dims.pp == 1 else 1) + mine * b,
         "activations": half * _activations(layers, layout),
         "backward": (
             half * profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
@@ -153,8 +159,13 @@ def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -
     # (parameters, trainable parameters) of each FSDP unit: the blocks, and the rest
     blocks = [layer for layer in layers if layer.block]
     rest = [layer for layer in layers if not layer.block]
-    units = [(layer.local_params(tp), layer.local_trainable(tp)) for layer in blocks]
-    units.append((sum(x.local_params(tp) for x in rest), sum(x.local_trainable(tp) for x in rest)))
+
+    def own(layer: LayerProfile) -> float:  # what FSDP gathers: experts stay as they are
+        return layout.experts([layer])
+
+    units = [(x.local_params(tp) - own(x), x.local_trainable(tp) - own(x)) for x in blocks]
+    units.append((sum(x.local_params(tp) - own(x) for x in rest),
+                  sum(x.local_trainable(tp) - own(x) for x in rest)))  # fmt: skip
     assert layout.config.fsdp is not None
     if layout.dims.pp > 1:  # the stage is one unit
         return sum(p + t for p, t in units) * b

@@ -49,6 +49,15 @@ class LayerProfile:
     them."""
     tp_frozen: int = 0
     """Of ``frozen``, those a tensor-parallel plan splits."""
+    expert_params: int = 0
+    """Parameters of its stacked experts modules (expert parallelism splits them over ``ep``
+    ranks; data parallelism leaves them to it)."""
+    experts: int = 0
+    """Experts of its MoE modules, summed: expert parallelism exchanges a count per expert
+    (8 bytes) in each forward."""
+    routed_bytes: float = 0.0
+    """Per sample: the hidden vectors of its (token, expert) assignments, what expert
+    parallelism's all-to-all sends one way."""
 
     def local_params(self, tp: int) -> float:
         """Parameters one of ``tp`` tensor-parallel ranks holds."""

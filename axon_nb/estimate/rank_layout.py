@@ -48,14 +48,20 @@ class RankLayout:
 
     @property
     def param_shards(self) -> int:
-        """Over how many ranks this rank's parameters (and gradients) are sharded."""
-        return self.dims.dp_shard if self.kind == "fsdp" else 1
+        """Over how many ranks this rank's parameters (and gradients) are sharded (with
+        expert parallelism, its parameters but the experts)."""
+        return self.dims.dp_shard * self.dims.ep if self.kind == "fsdp" else 1
 
     @property
     def optimizer_shards(self) -> int:
         if self.kind == "fsdp":
-            return self.dims.dp_shard
+            return self.param_shards
         return self.dims.dp if self.kind in ("zero1", "zero2") else 1
+
+    def experts(self, layers: list[LayerProfile]) -> float:
+        """Expert parameters of ``layers`` that expert parallelism splits (0 without it: data
+        parallelism then treats them as any other parameter)."""
+        return sum(layer.expert_params for layer in layers) if self.dims.ep > 1 else 0.0
 
     @property
     def samples_in_flight(self) -> float:

@@ -86,8 +86,10 @@ def _group_size(layout: RankLayout, axis: str) -> int:
     dims = layout.dims
     return {
         "dp": dims.dp,
-        "dp_shard": dims.dp_shard,
+        "dp_shard": dims.dp_shard * dims.ep,  # (FSDP shards over the expert ranks too)
         "dp_replicate": dims.dp_replicate,
+        "ep": dims.ep,
+        "edp": dims.edp,
         "tp": dims.tp,
         "pp": dims.pp,
         "world": dims.world_size,
@@ -103,7 +105,8 @@ def _bus_factor(kind: str, n: int) -> float:
 def _link(layout: RankLayout, axis: str, links: Links, ranks_per_host: int) -> float:
     """The group's link: within a host when its ranks' span (stride x size) fits in one."""
     dims = layout.dims
-    inner = {"tp": 1, "dp_shard": dims.tp, "dp": dims.tp, "dp_replicate": dims.tp * dims.dp_shard,
-             "pp": dims.tp * dims.dp, "world": 1}[axis]  # fmt: skip
+    inner = {"tp": 1, "ep": dims.tp, "dp_shard": dims.tp, "dp": dims.tp, "edp": dims.tp * dims.ep,
+             "dp_replicate": dims.tp * dims.dp_shard * dims.ep, "pp": dims.tp * dims.dp,
+             "world": 1}[axis]  # fmt: skip
     span = inner * _group_size(layout, axis) if axis != "world" else dims.world_size
     return links.intra_host if span <= ranks_per_host else links.inter_host

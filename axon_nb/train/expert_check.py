@@ -15,10 +15,10 @@ from axon_nb.rank import entry
 from axon_nb.spec.train_spec import TrainSpec
 
 if TYPE_CHECKING:
-    from axon_nb.cluster import Cluster
+    from axon_nb.cluster.transport import ClusterLike
 
 
-def check_experts(cluster: Cluster, spec: TrainSpec) -> None:
+def check_experts(cluster: ClusterLike, spec: TrainSpec) -> None:
     """Raise ``ValueError`` if ``spec``'s strategy splits experts its model does not have.
 
     Example::

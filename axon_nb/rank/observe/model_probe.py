@@ -11,6 +11,9 @@ each layer it records:
 - ``saved_bytes``: bytes of the tensors autograd saves for backward (activations; parameters
   excluded), per sample;
 - ``output_bytes``: bytes of the layer's output per sample (what a pipeline sends on);
+- ``expert_params``, ``experts`` and ``routed_bytes``: of its stacked experts modules (a
+  mixture of experts), their parameters, their experts, and per sample the hidden vectors
+  of the (token, expert) assignments they receive (what expert parallelism sends);
 - ``block``: whether it is an entry of an ``nn.ModuleList`` (a transformer block: what
   activation checkpointing wraps and FSDP shards as its own unit);
 - ``colwise_in_bytes`` / ``rowwise_out_bytes``: per sample, the inputs of its column-parallel
@@ -41,6 +44,7 @@ import torch
 from torch import nn
 
 from axon_nb.metrics.peak import PeakTracker
+from axon_nb.parallel.expert_plan import stacked_experts
 from axon_nb.spec.pretrained_model import PretrainedModel
 
 
@@ -78,6 +82,12 @@ def profile_model(
         module = model.get_submodule(name)
         owner = next(r for layer, r in zip(layers, rows, strict=True) if _holds(layer, module))
         hooks.append(module.register_forward_hook(_record_tp(owner, style)))
+    for module in model.modules():
+        if stacked_experts(module):
+            owner = next(r for layer, r in zip(layers, rows, strict=True) if _holds(layer, module))
+            owner["expert_params"] += sum(p.numel() for p in module.parameters(recurse=False))
+            owner["experts"] += module.num_experts
+            hooks.append(module.register_forward_hook(_record_routed(owner)))
     model.zero_grad(set_to_none=True)
     try:
         with PeakTracker() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -92,11 +102,19 @@ def profile_model(
     saved_total = sum(sum(s.values()) for s in saved)
     for row, layer_saved in zip(rows, saved, strict=True):
         row["saved_bytes"] = sum(layer_saved.values()) / samples
-        for key in ("output_bytes", "colwise_in_bytes", "rowwise_out_bytes", "colwise_group_bytes"):
+        for key in (
+            "output_bytes",
+            "colwise_in_bytes",
+            "rowwise_out_bytes",
+            "colwise_group_bytes",
+            "routed_bytes",
+        ):
             row[key] = row[key] / samples
     if plan:
         _measure_split(model, layers, rows, inputs, target, loss_fn, plan)
-    params = sum(r["params"] for r in rows)
+    # FLOPs count the parameters a token meets: of a mixture of experts, its top_k experts
+    idle = sum(sum(r.pop("_idle", {}).values()) for r in rows)
+    params = sum(r["params"] for r in rows) - idle
     trainable = params - sum(r["frozen"] for r in rows)
     tokens = _tokens(inputs) / samples
     return {
@@ -212,6 +230,9 @@ def _layer_row(layer: nn.Module, names: dict[int, str], split: list[nn.Module]) 
         "colwise_in_bytes": 0,
         "rowwise_out_bytes": 0,
         "colwise_group_bytes": 0,
+        "expert_params": 0,
+        "experts": 0,
+        "routed_bytes": 0,
         "split_fraction": 0.0,
         "_inputs": {},
     }
@@ -221,6 +242,21 @@ def _record_output(row: dict[str, Any]) -> Callable[..., None]:
     def hook(module: nn.Module, args: Any, output: Any) -> None:
         row["output_bytes"] += _nbytes(output)
         row["colwise_group_bytes"] = sum(row.pop("_inputs", {}).values())
+
+    return hook
+
+
+def _record_routed(row: dict[str, Any]) -> Callable[..., None]:
+    """Hook of an experts module, called ``(tokens, top_k_index, top_k_weights)``: the bytes
+    of the hidden vectors its assignments carry."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        tokens, index = args[0], args[1]
+        row["routed_bytes"] += index.numel() * tokens.shape[-1] * tokens.element_size()
+        idle = 1 - index.shape[1] / module.num_experts  # share of the experts a token skips
+        row.setdefault("_idle", {})[id(module)] = idle * sum(
+            p.numel() for p in module.parameters(recurse=False)
+        )
 
     return hook
 
