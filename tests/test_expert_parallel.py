@@ -85,8 +85,9 @@ def _local_expert_shapes() -> list[int]:
         Hybrid(dp=2, ep=2, data_parallel="ddp"),
         Hybrid(dp=2, ep=2),
         Hybrid(ep=2, pp=2, microbatches=2),
+        Hybrid(ep=2, tp=2),
     ],
-    ids=["dp2xep2-ddp", "dp2xep2-fsdp", "ep2xpp2"],
+    ids=["dp2xep2-ddp", "dp2xep2-fsdp", "ep2xpp2", "ep2xtp2"],
 )
 def test_hybrid_layouts_with_experts_equal_one_process(
     cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Hybrid
@@ -156,8 +157,8 @@ def test_expert_parallel_options_are_checked_when_built() -> None:
         ExpertParallel(data_parallel="zero2")
     with pytest.raises(ValueError, match="plan must be a tuple of module-name patterns"):
         ExpertParallel(plan="blocks.*")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="not supported yet"):
-        Hybrid(ep=2, tp=2)
+    with pytest.raises(ValueError, match="sequence_parallel with ep > 1 is not supported yet"):
+        Hybrid(ep=2, tp=2, sequence_parallel=True)
     with pytest.raises(ValueError, match="multiple of ep"):
         ExpertParallel(ep=4).dims(world_size=2)
 

@@ -47,7 +47,8 @@ class RowParallelLinear(nn.Linear):
 
 def default_plan(model: nn.Module) -> dict[str, str]:
     """The plan ``TensorParallel`` uses without one: the model's Column/RowParallelLinear
-    layers, else the reference GPT's (attention q/k/v column, out row; MLP up column, down row)."""
+    layers, else the reference GPT's (attention q/k/v column, out row; MLP up column, down row;
+    a mixture-of-experts GPT's MLP is left to expert parallelism)."""
     plan = {
         name: "colwise" if isinstance(m, ColumnParallelLinear) else "rowwise"
         for name, m in model.named_modules()
@@ -56,14 +57,15 @@ def default_plan(model: nn.Module) -> dict[str, str]:
     if plan:
         return plan
     if _is_gpt(model):
-        return {
+        plan = {
             "blocks.*.attn.q": "colwise",
             "blocks.*.attn.k": "colwise",
             "blocks.*.attn.v": "colwise",
             "blocks.*.attn.out": "rowwise",
-            "blocks.*.mlp.up": "colwise",
-            "blocks.*.mlp.down": "rowwise",
         }
+        if not model.config.experts:  # type: ignore[union-attr]  # (experts: ExpertParallel's)
+            plan.update({"blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"})
+        return plan
     raise ValueError(
         f"no tensor-parallel plan for {type(model).__name__}: pass TensorParallel(plan={{module "
         "name pattern: 'colwise' | 'rowwise'}}), or build the model with ColumnParallelLinear / "

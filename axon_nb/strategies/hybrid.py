@@ -98,10 +98,10 @@ class Hybrid(Strategy):
         errors += self._tensor().problems() + self._pipeline().problems()
         errors += ExpertConfig(plan=self.expert_plan).problems()
         if positive(self.ep) and self.ep > 1:
-            if positive(self.tp) and self.tp > 1:
+            if self.sequence_parallel:
                 errors.append(
-                    "ep with tp > 1 is not supported yet: combine expert parallelism with data "
-                    "and pipeline parallelism (Hybrid(dp=, ep=, pp=))"
+                    "sequence_parallel with ep > 1 is not supported yet: the experts take whole "
+                    "sequences; use sequence_parallel=False"
                 )
             if self.sharding == "hybrid_shard":
                 errors.append(
