@@ -35,6 +35,22 @@ def tiny_mixtral() -> Any:
     return MixtralForCausalLM(config)
 
 
+def tiny_qwen_moe(version: int = 2) -> Any:
+    """A 2-layer Qwen2-MoE or Qwen3-MoE causal LM with 4 experts, 2 per token (Qwen2's with
+    its shared expert beside them)."""
+    import transformers
+
+    name = f"Qwen{version}Moe"
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+        router_aux_loss_coef=0.0, attn_implementation="sdpa",
+        **({"shared_expert_intermediate_size": 24} if version == 2 else {"head_dim": 8}),
+    )  # fmt: skip
+    return getattr(transformers, f"{name}ForCausalLM")(config)
+
+
 def pretrained_llama() -> Any:
     """What ``from_pretrained`` gives: a model in eval mode."""
     return tiny_llama(dropout=0.1).eval()

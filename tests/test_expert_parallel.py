@@ -107,14 +107,32 @@ def test_load_balancing_loss_is_trained_the_same_split_or_not(cluster: axon_nb.C
     assert ep.losses[-1] < ep.losses[0]
 
 
-def test_tiny_mixtral_trains_under_its_own_plan(cluster: axon_nb.Cluster) -> None:
-    pytest.importorskip("transformers")
-    from hf_models import FixedTokens, tiny_mixtral
+def _transformers_model(name: str) -> Any:
+    from hf_models import tiny_mixtral, tiny_qwen_moe
 
-    run = dict(model=tiny_mixtral, data=FixedTokens(), steps=12, batch_size=8,
+    return {"mixtral": tiny_mixtral, "qwen2_moe": lambda: tiny_qwen_moe(2),
+            "qwen3_moe": lambda: tiny_qwen_moe(3)}[name]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "plan"),
+    [("mixtral", None), ("mixtral", ("model.layers.*.mlp.experts",)), ("qwen2_moe", None),
+     ("qwen3_moe", None)],
+    ids=["mixtral-own-plan", "mixtral-user-plan", "qwen2_moe-own-plan", "qwen3_moe-own-plan"],
+)  # fmt: skip
+def test_tiny_transformers_moe_models_train_under_expert_parallel(
+    cluster: axon_nb.Cluster, name: str, plan: Any
+) -> None:
+    """Random-init transformers MoE models, their own loss on dict batches: through their
+    ``base_model_ep_plan`` or a plan naming the experts; each rank holds half the experts."""
+    pytest.importorskip("transformers")
+    from hf_models import FixedTokens
+
+    run = dict(model=_transformers_model(name), data=FixedTokens(), steps=12, batch_size=8,
                optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
-    result = cluster.train(**run, strategy=ExpertParallel(ep=2))
+    result = cluster.train(**run, strategy=ExpertParallel(ep=2, plan=plan))
     assert _relative_gap(result.losses, axon_nb.train_local(**run).losses) < 1e-5
+    assert set(cluster.run(_local_expert_shapes, stream=False)[0]) == {2}
 
 
 def _dense() -> GPT:
