@@ -37,3 +37,17 @@ def check_equal(
         assert (params[0][k] - v).abs().max().item() < param_tol, k
         assert all(torch.equal(params[0][k], other[k]) for other in params[1:]), k
     return result
+
+
+def check_predictions(table: Any, *, memory_tol: float, comm_tol: float) -> None:
+    """Every row of ``cluster.compare``'s ``table`` ran, and its predicted peak memory and
+    communication bytes per step are within ``memory_tol`` and ``comm_tol`` (relative) of
+    what the ranks measured."""
+    off = []
+    for row in table.rows:
+        assert row["status"] == "ok", row
+        memory = row["predicted_peak_bytes"] / row["peak_bytes"]
+        comm = row["predicted_comm_bytes"] / row["comm_bytes_per_step"]
+        if abs(memory - 1) > memory_tol or abs(comm - 1) > comm_tol:
+            off.append(f"{row['strategy']}: memory x{memory:.3f}, communication x{comm:.3f}")
+    assert not off, "predictions off:\n" + "\n".join(off)

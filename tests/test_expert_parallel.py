@@ -5,11 +5,12 @@ Hybrid(ep=2, pp=2) on 4, and a tiny random-init transformers Mixtral through its
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 import torch
-from equivalence import check_equal
+from equivalence import check_equal, check_predictions
 
 import axon_nb
 from axon_nb import ExpertParallel, Hybrid
@@ -198,6 +199,8 @@ def test_grouped_experts_route_each_token_to_its_top_k() -> None:
     ])  # fmt: skip
     torch.testing.assert_close(moe(x).reshape(-1, 8), expected)
     assert moe.aux_loss is not None and moe.aux_loss.ndim == 0 and moe.aux_loss > 0
+    # the last call's loss (part of its graph) stays behind when the model is copied
+    assert copy.deepcopy(moe).aux_loss is None and moe.aux_loss is not None
 
 
 def _state(name: str) -> dict[str, Any]:
@@ -276,14 +279,7 @@ def test_predictions_know_expert_parallelism(cluster: axon_nb.Cluster) -> None:
     )
     table = cluster.compare([ExpertParallel(ep=2), ExpertParallel(ep=2, data_parallel="fsdp")],
                             **train)  # fmt: skip
-    off = []
-    for row in table.rows:
-        assert row["status"] == "ok", row
-        memory = row["predicted_peak_bytes"] / row["peak_bytes"]
-        comm = row["predicted_comm_bytes"] / row["comm_bytes_per_step"]
-        if not (0.95 <= memory <= 1.05 and 0.95 <= comm <= 1.05):
-            off.append(f"{row['strategy']}: memory x{memory:.3f}, communication x{comm:.3f}")
-    assert not off, "predictions off:\n" + "\n".join(off)
+    check_predictions(table, memory_tol=0.05, comm_tol=0.05)
     advice = cluster.advise(train["model"], train["data"], lm_loss, device_memory="1GB",
                             batch_size=16)  # fmt: skip
     assert any(isinstance(r["strategy"], ExpertParallel) for r in advice.rows)

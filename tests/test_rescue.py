@@ -3,7 +3,6 @@ hold together is written as an ordinary checkpoint that continues the run exactl
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +18,6 @@ from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-from recovery import kill_a_rank_at  # noqa: E402
-
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, block_size=32, vocab_size=64)
 ARGS: dict[str, Any] = dict(
     model=lambda: GPT(CONFIG),
@@ -35,12 +31,32 @@ ARGS: dict[str, Any] = dict(
 )
 
 
+def _dying_loss(victim: int, after: int) -> Any:
+    """``lm_loss``, but rank ``victim`` SIGKILLs itself in its loss call number ``after + 1``
+    (mid-run wherever the machine's load puts the kernel's view of it: a kill from the kernel
+    once it has seen a step could come after a fast run has ended)."""
+    calls = [0]
+
+    def loss(output: Any, target: Any) -> Any:
+        import os
+        import signal
+
+        import torch.distributed as dist
+
+        calls[0] += 1
+        if dist.get_rank() == victim and calls[0] > after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return lm_loss(output, target)
+
+    return loss
+
+
 def _killed_mid_run(cluster: axon_nb.Cluster, strategy: Any, victim: int) -> int:
-    """Train until ``victim`` is SIGKILLed at step 6 or later; the engines still alive."""
-    kill_a_rank_at(cluster, 6, victim)
+    """Train until ``victim`` is SIGKILLed in step 7 or later; the engines still alive."""
     pids = [r["pid"] for r in cluster.ranks]
+    micro = getattr(strategy, "microbatches", 1) if getattr(strategy, "pp", 1) > 1 else 1
     with pytest.raises(RankDiedError, match=r"cluster\.rescue\(path\)"):
-        cluster.train(**ARGS, strategy=strategy)
+        cluster.train(**{**ARGS, "loss": _dying_loss(victim, 6 * micro)}, strategy=strategy)
     alive = [r for r, pid in enumerate(pids) if psutil.pid_exists(pid)]
     assert alive == [r for r in range(len(pids)) if r != victim]  # MPI left the others alone
     assert cluster.survivors() == (alive, [victim])

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import psutil
 
-from axon_nb.spec.stop_waits import ASK_S, KILL_AFTER_S
+from axon_nb.spec.stop_waits import ASK_S, KILL_AFTER_S, LAUNCHER_GRACE_S
 
 RANK_PARENT = "axon_nb.rank.world.launch"
 """The module each rank's parent runs (``rank/world/launch.py``); SIGTERM to it stops its rank."""
@@ -41,9 +42,16 @@ def process_tree(roots: Iterable[int]) -> list[psutil.Process]:
 
 
 def wait_gone(procs: Iterable[psutil.Process], seconds: float) -> list[psutil.Process]:
-    """Wait up to ``seconds`` for ``procs`` to end; those still running."""
-    _, left = psutil.wait_procs(list(procs), timeout=max(seconds, 0.0))
-    return [p for p in left if _running(p)]
+    """Wait up to ``seconds`` for ``procs`` to end; those still running. A zombie counts as
+    ended (``psutil.wait_procs`` waits out its whole timeout on another process's zombie: a
+    rank whose launcher has not reaped it yet)."""
+    procs = list(procs)
+    deadline = time.monotonic() + max(seconds, 0.0)
+    while True:
+        left = [p for p in procs if _running(p)]
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
 
 
 def terminate_then_kill(tree: list[psutil.Process], roots: Iterable[int]) -> list[int]:
@@ -54,7 +62,16 @@ def terminate_then_kill(tree: list[psutil.Process], roots: Iterable[int]) -> lis
     for proc in tree:
         if proc.pid in roots or _is_rank_parent(proc):
             _send(proc, signal.SIGTERM)
-    left = wait_gone(tree, KILL_AFTER_S)
+    started = time.monotonic()
+    below = [p for p in tree if p.pid not in roots]
+    if below:
+        # The ranks end by TERM_S (their parents SIGKILL them then); a launcher whose ranks
+        # are gone has nothing left to wait for (MPI's waits out its own grace otherwise).
+        wait_gone(below, KILL_AFTER_S)
+        spent = time.monotonic() - started
+        left = wait_gone(tree, min(LAUNCHER_GRACE_S, max(0.0, KILL_AFTER_S - spent)))
+    else:
+        left = wait_gone(tree, KILL_AFTER_S)
     for proc in left:
         _send(proc, signal.SIGKILL)
     wait_gone(left, 2.0)

@@ -80,6 +80,10 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts, dim, 4 * dim)
         self.aux_loss: torch.Tensor | None = None
 
+    def __getstate__(self) -> dict[str, object]:
+        # The last call's loss is part of that call's graph: copies and pickles go without it.
+        return {**super().__getstate__(), "aux_loss": None}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
         probs = F.softmax(self.router(tokens).float(), dim=-1)

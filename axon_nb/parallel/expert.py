@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from axon_nb.parallel.expert_plan import expert_modules
+
+# PyTorch 2.13 deprecates this module's all_to_all_single for the functional collectives',
+# whose backward runs in C++, out of the communication meter's sight (it measures the
+# Python calls): kept, without the warning on every rank.
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed\.nn\.functional\.all_to_all_single is deprecated"
+)
 
 
 class ExpertDispatch:
@@ -52,6 +60,7 @@ class ExpertDispatch:
     def forward(
         self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        # (the per-expert counts go first: 8 bytes per expert, then the tokens, then back)
         group, local = self.ep_group, self.num_experts
         ep = dist.get_world_size(group)
         k = top_k_index.shape[1]
@@ -124,6 +133,9 @@ def take_routed_tokens(model: nn.Module) -> list[int] | None:
 def reduce_expert_grads(params: Sequence[torch.Tensor], edp_group: Any, data_ranks: int) -> None:
     """Sum the expert gradients over their replicas (``edp_group``, None for none) and divide
     by ``data_ranks``: the mean over every rank's data that the other parameters get."""
+    for p in params:
+        if p.grad is None and p.requires_grad:  # local experts no token reached this step
+            p.grad = torch.zeros_like(p)  # (as in one process: the stacked weight has one)
     grads = [p.grad.to_local() for p in params if p.grad is not None]  # type: ignore[union-attr]
     if not grads:
         return

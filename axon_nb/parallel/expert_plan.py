@@ -19,12 +19,12 @@ Example::
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
+
+from axon_nb.parallel.module_patterns import matching
 
 DISPATCH_STYLE = "ep_dispatch_experts"
 """The style transformers' ``base_model_ep_plan`` gives the modules whose tokens are dispatched."""
@@ -52,11 +52,9 @@ def expert_modules(model: nn.Module, plan: Sequence[str] | None, ep: int) -> dic
         patterns = list(plan)
     found, problems = {}, []
     for pattern in patterns:
-        names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not names:
-            near = difflib.get_close_matches(pattern, [n for n in modules if n], n=3, cutoff=0.5)
-            hint = f"; nearest names: {', '.join(near)}" if near else ""
-            problems.append(f"{pattern!r} matches no module of the model{hint}")
+        names, problem = matching(modules, pattern)
+        if problem:
+            problems.append(problem)
         for name in names:
             if not stacked_experts(modules[name]):
                 problems.append(

@@ -107,6 +107,9 @@ def parallelize(
         _data_parallel(part, dims, config, mesh, dp_group, device, groups, materialize, experts)
         for part in parts
     ]
+    if experts:  # (a pipeline keeps this rank's stages: its experts are those in them)
+        ids = {id(p) for p in experts}
+        experts = [p for part in parts for p in part.parameters() if id(p) in ids]
     if piped:
         trained: nn.Module = PipelinedModel(
             model,

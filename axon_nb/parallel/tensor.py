@@ -20,12 +20,11 @@ found by class name.
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 from typing import Any
 
 from torch import nn
 
+from axon_nb.parallel.module_patterns import matching
 from axon_nb.spec.parallel_config import TP_STYLES as STYLES
 from axon_nb.spec.parallel_config import TensorConfig
 
@@ -106,11 +105,9 @@ def resolve_plan(model: nn.Module, plan: dict[str, Any], tp: int) -> dict[str, A
             problems.append(f"{pattern!r}: style must be one of {', '.join(STYLES)} or a torch "
                             f"ParallelStyle, got {style!r}")  # fmt: skip
             continue
-        names = [n for n in modules if n and fnmatch.fnmatchcase(n, pattern)]
-        if not names:
-            near = difflib.get_close_matches(pattern, [n for n in modules if n], n=3, cutoff=0.5)
-            hint = f"; nearest names: {', '.join(near)}" if near else ""
-            problems.append(f"{pattern!r} matches no module of the model{hint}")
+        names, problem = matching(modules, pattern)
+        if problem:
+            problems.append(problem)
         for name in names:
             problem = _misfit(name, modules[name], style, tp)
             if problem:

@@ -27,5 +27,9 @@ TERM_S = 3.0
 KILL_AFTER_S = TERM_S + 1.0
 """The kernel or reaper SIGKILLs what is left on this host this long after its SIGTERM."""
 
+LAUNCHER_GRACE_S = 0.5
+"""Once every rank under a launcher (``mpiexec``) has ended, the launcher gets this long to
+exit on its own before it is SIGKILLed too, instead of the rest of ``KILL_AFTER_S``."""
+
 REAPER_POLL_S = 0.5
 """How often the reaper checks that the kernel that started the cluster is alive."""

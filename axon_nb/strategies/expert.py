@@ -15,8 +15,9 @@ DATA_PARALLEL = ("ddp", "fsdp")
 @dataclass(frozen=True, kw_only=True, slots=True, repr=False)
 class ExpertParallel(Strategy):
     """Expert parallelism: each MoE layer's experts are split over ``ep`` ranks, and every
-    token goes to the rank that holds its experts and back (two ``all_to_all`` per layer and
-    direction). Each rank reads its own data; everything that is not an expert is replicated
+    token goes to the rank that holds its experts and back (per layer: an ``all_to_all`` of
+    the per-expert counts, then one of the tokens each way, and the same two in backward).
+    Each rank reads its own data; everything that is not an expert is replicated
     (``data_parallel="ddp"``) or sharded (``"fsdp"``) over all the ranks. With more ranks than
     ``ep``, each expert is held by ``world_size / ep`` ranks, whose gradients are averaged.
 

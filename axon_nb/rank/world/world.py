@@ -166,8 +166,10 @@ def reform(master_port: int) -> dict[str, object]:
 
     from axon_nb.parallel.dtensor_cache import forget_cached_meshes
     from axon_nb.rank.checkpoint.checkpoint_schedule import forget_save_group
+    from axon_nb.spec.parallel_dims import forget_meshes
 
     forget_save_group()  # its group dies with the world
+    forget_meshes()  # and the meshes' groups
     if dist.is_initialized():
         # A severed group may fail to say goodbye; it is gone either way.
         with contextlib.suppress(Exception):
