@@ -96,6 +96,8 @@ def test_bad_input_says_what_to_do_and_the_ranks_stay_usable(cluster: axon_nb.Cl
     ]:
         with pytest.raises(axon_nb.RankError, match=match):
             cluster.evaluate(make_data(ROWS), **{"loss": mse, "batch_size": 5, **bad})
+    with pytest.raises(axon_nb.RankError, match="the data has 1 samples, fewer than the 2 data"):
+        cluster.evaluate(make_data(1), loss=mse, batch_size=5)  # every rank says so, none waits
     assert cluster.run(lambda: 1) == [1, 1]
 
 

@@ -88,7 +88,7 @@ def test_a_repr_shows_the_options_that_were_set() -> None:
 def test_parallel_dims_is_the_one_layout() -> None:
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=2, pp=1, world_size=8)
     assert dims.dp == 4
-    assert dims.coords(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "dp": 2, "tp": 1}
+    assert dims.coords(5) == {"pp": 0, "dp_replicate": 1, "dp_shard": 0, "ep": 0, "dp": 2, "tp": 1}
     # tensor-parallel peers read the same data; their loss counts once in the mean
     assert dims.data_rank(4) == dims.data_rank(5) == (2, 4)
     assert sum(dims.loss_share(r) for r in range(8)) == pytest.approx(1.0)

@@ -101,6 +101,8 @@ def test_bad_input_is_refused_and_the_model_stays(cluster: axon_nb.Cluster, tmp_
         cluster.predict(TEST, batch_size=4, output_dir=tmp_path / "missing")
     with pytest.raises(axon_nb.RankError, match="nothing"):
         cluster.predict(TEST, batch_size=4, name="nothing")
+    with pytest.raises(axon_nb.RankError, match="predict at least one sample per rank"):
+        cluster.predict(torch.utils.data.Subset(TEST, [0]), batch_size=4)
     assert cluster.predict(TEST, batch_size=8).shape == (ROWS, 16, 64)
 
 

@@ -6,11 +6,11 @@ So an op on a new run's DTensors can return a DTensor on an *earlier* run's mesh
 collective goes over that run's groups. That works while those groups live; after the world is
 re-formed (``rank/world/world.py``: group names restart at 0) the names point nowhere ("Could
 not resolve the process group registered under the name 63") or at another group (a gather of
-the wrong size). Each layout and each world starts with the caches empty.
+the wrong size). Each layout starts with the caches empty.
 
 Example::
 
-    forget_cached_meshes()   # before parallelize builds a mesh, after the world re-forms
+    forget_cached_meshes()   # before parallelize builds a mesh
 """
 
 from __future__ import annotations

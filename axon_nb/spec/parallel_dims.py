@@ -102,8 +102,8 @@ class ParallelDims:
         return 1.0 / (self.dp * self.tp)
 
     def mesh(self, device_type: str) -> Any:
-        """The ``DeviceMesh`` over all ranks, with the axes of :data:`AXES` (built once per
-        world and degrees, then kept: see :data:`_BUILT`)."""
+        """The ``DeviceMesh`` over all ranks, with the axes of :data:`AXES` (built once, then
+        cached)."""
         return self._build(device_type)[0]
 
     def dp_mesh(self, device_type: str) -> Any:
@@ -116,35 +116,15 @@ class ParallelDims:
 
     def _build(self, device_type: str) -> tuple[Any, Any, Any]:
         if device_type not in self._meshes:
-            import torch.distributed as dist
             from torch.distributed.device_mesh import init_device_mesh
 
             shape = tuple(getattr(self, a) for a in AXES)
-            world = dist.group.WORLD
-            built = _BUILT.get((device_type, shape))
-            if built is None or built[0] is not world:
-                mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
-                # Kept: PyTorch asks that a flattened axis be held, not sliced from the root.
-                dp = mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp")
-                edp = mesh["dp_replicate", "dp_shard"]._flatten("edp") if self.ep > 1 else dp
-                built = _BUILT[(device_type, shape)] = (world, mesh, dp, edp)
-            self._meshes[device_type] = built[1:]
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            # Kept here: PyTorch asks that a flattened axis be held, not sliced from the root.
+            dp = mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp")
+            edp = mesh["dp_replicate", "dp_shard"]._flatten("edp") if self.ep > 1 else dp
+            self._meshes[device_type] = (mesh, dp, edp)
         return self._meshes[device_type]
-
-
-def forget_meshes() -> None:
-    """Drop the kept meshes (their world is being destroyed)."""
-    _BUILT.clear()
-
-
-_BUILT: dict[tuple[str, tuple[int, ...]], tuple[Any, Any, Any, Any]] = {}
-"""The meshes this rank built, by device type and degrees, with the world they belong to.
-A later run with the same degrees in the same world reuses them: each mesh axis is a process
-group, and a gloo group keeps three threads and its sockets for the life of the world, so a
-mesh per call would pile up hundreds of them over a notebook's session (a rank of the test
-suite's shared clusters had 459 groups, 1,392 threads). A re-formed world builds new ones;
-DTensor's caches are cleared then (``axon_nb.parallel.dtensor_cache``), or they would hand
-out the old world's meshes."""
 
 
 def positive(value: Any) -> bool:

@@ -117,8 +117,6 @@ def _one_rank_world(needed: bool) -> Iterator[None]:
     """A one-rank gloo process group for strategies that need one, unless one exists."""
     import torch.distributed as dist
 
-    from axon_nb.spec.parallel_dims import forget_meshes
-
     if not needed or dist.is_initialized():
         yield
         return
@@ -127,4 +125,3 @@ def _one_rank_world(needed: bool) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-        forget_meshes()  # (their groups went with the world)

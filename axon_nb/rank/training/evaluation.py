@@ -69,14 +69,7 @@ def evaluate_model(
     items become a batch (the run's ``loader={"collate_fn": ...}``, e.g. padding); default
     PyTorch's, lists of numbers made tensors."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
-    index, dp = parallel.dims.data_rank(ctx.rank) if distributed else (0, 1)
-    if len(dataset) < dp:  # (every rank sees it: none is left waiting in a collective)
-        raise ValueError(
-            f"the evaluation set has {len(dataset)} samples, fewer than the {dp} data-parallel "
-            "ranks that split it; evaluate a set with at least one sample per rank"
-        )
-    mine = list(range(index, len(dataset), dp))
-    rounds = math.ceil(math.ceil(len(dataset) / dp) / batch_size)  # rank 0 has the most
+    mine, rounds = share_of(parallel, len(dataset), batch_size, ctx.rank, "evaluate")
     rounds = min(rounds, max_batches or rounds)
     sums = torch.zeros(2 + len(metrics), dtype=torch.float64)  # samples, loss, metrics...
     error: Exception | None = None
@@ -164,6 +157,23 @@ def _combine(sums: torch.Tensor, parallel: ParallelModel, device: torch.device) 
         last = dist.get_world_size(piped.group) - 1
         dist.broadcast(sums, group=piped.group, group_src=last)
     return sums.cpu()
+
+
+def share_of(
+    parallel: ParallelModel, size: int, batch_size: int, rank: int, verb: str
+) -> tuple[list[int], int]:
+    """This rank's sample indices of a set of ``size`` (data-parallel rank ``i`` of ``dp``
+    takes ``i, i + dp, ...``) and the forwards every rank runs (rank 0 has the most samples).
+    ``ValueError`` on every rank (none is left waiting in a collective) when the set has
+    fewer samples than ranks; ``verb`` says what the user was doing."""
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    index, dp = parallel.dims.data_rank(rank) if distributed else (0, 1)
+    if size < dp:
+        raise ValueError(
+            f"the data has {size} samples, fewer than the {dp} data-parallel ranks that split "
+            f"it; {verb} at least one sample per rank"
+        )
+    return list(range(index, size, dp)), math.ceil(math.ceil(size / dp) / batch_size)
 
 
 def rounds_of(mine: list[int], batch_size: int, rounds: int) -> Iterator[tuple[list[int], int]]:

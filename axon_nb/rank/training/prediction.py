@@ -14,7 +14,6 @@ to a file instead and only the paths come back. Example::
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -29,7 +28,7 @@ from axon_nb.rank import runtime
 from axon_nb.rank.data.shards import resolve_dataset
 from axon_nb.rank.data.structure import collate, map_tensors
 from axon_nb.rank.training import trainstate
-from axon_nb.rank.training.evaluation import eval_mode, rounds_of
+from axon_nb.rank.training.evaluation import eval_mode, rounds_of, share_of
 
 
 def predict_run(name: str, data: Any, *, batch_size: int, output_dir: str | None) -> Any:
@@ -42,13 +41,7 @@ def predict_run(name: str, data: Any, *, batch_size: int, output_dir: str | None
     index, dp = parallel.dims.data_rank(ctx.rank) if distributed else (0, 1)
     coords = parallel.dims.coords(ctx.rank) if distributed else {"tp": 0, "pp": 0}
     counts = coords["tp"] == 0 and coords["pp"] == parallel.dims.pp - 1
-    if len(dataset) < dp:
-        raise ValueError(
-            f"the data has {len(dataset)} items, fewer than the {dp} data-parallel ranks that "
-            "split it; predict at least one item per rank"
-        )
-    mine = list(range(index, len(dataset), dp))
-    rounds = math.ceil(math.ceil(len(dataset) / dp) / batch_size)
+    mine, rounds = share_of(parallel, len(dataset), batch_size, ctx.rank, "predict")
     pieces = []
     with eval_mode(parallel.model), torch.no_grad():
         for indices, weight in rounds_of(mine, batch_size, rounds):

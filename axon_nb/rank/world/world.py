@@ -164,18 +164,14 @@ def reform(master_port: int) -> dict[str, object]:
     """Destroy the current process group and join a fresh one on ``master_port``."""
     import torch.distributed as dist
 
-    from axon_nb.parallel.dtensor_cache import forget_cached_meshes
     from axon_nb.rank.checkpoint.checkpoint_schedule import forget_save_group
-    from axon_nb.spec.parallel_dims import forget_meshes
 
     forget_save_group()  # its group dies with the world
-    forget_meshes()  # and the meshes' groups
     if dist.is_initialized():
         # A severed group may fail to say goodbye; it is gone either way.
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
     gc.collect()  # let the old group close its sockets before the new one opens any
-    forget_cached_meshes()  # their meshes name the old world's groups
     os.environ["MASTER_PORT"] = str(master_port)
     fresh = dataclasses.replace(runtime.context(), master_port=master_port)
     init_process_group(fresh)
