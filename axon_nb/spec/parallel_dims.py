@@ -102,8 +102,8 @@ class ParallelDims:
         return 1.0 / (self.dp * self.tp)
 
     def mesh(self, device_type: str) -> Any:
-        """The ``DeviceMesh`` over all ranks, with the axes of :data:`AXES` (built once, then
-        cached)."""
+        """The ``DeviceMesh`` over all ranks, with the axes of :data:`AXES` (``ep`` only with
+        expert parallelism; built once, then cached)."""
         return self._build(device_type)[0]
 
     def dp_mesh(self, device_type: str) -> Any:
@@ -118,10 +118,13 @@ class ParallelDims:
         if device_type not in self._meshes:
             from torch.distributed.device_mesh import init_device_mesh
 
-            shape = tuple(getattr(self, a) for a in AXES)
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=AXES)
+            # Without expert parallelism the mesh has no ep axis: every axis is a process group
+            # (gloo: three threads and sockets each, for the life of the world).
+            axes = AXES if self.ep > 1 else tuple(a for a in AXES if a != "ep")
+            shape = tuple(getattr(self, a) for a in axes)
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
             # Kept here: PyTorch asks that a flattened axis be held, not sliced from the root.
-            dp = mesh["dp_replicate", "dp_shard", "ep"]._flatten("dp")
+            dp = mesh[("dp_replicate", "dp_shard", *axes[3:-1])]._flatten("dp")
             edp = mesh["dp_replicate", "dp_shard"]._flatten("edp") if self.ep > 1 else dp
             self._meshes[device_type] = (mesh, dp, edp)
         return self._meshes[device_type]
