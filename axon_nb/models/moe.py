@@ -44,17 +44,36 @@ class GroupedExperts(nn.Module):
     def forward(
         self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        k = top_k_index.shape[1]
-        flat = top_k_index.flatten()
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        token = order // k
-        chunks = tokens[token].split(counts)
+        order, token, counts = by_expert(top_k_index, self.num_experts)
+        chunks = tokens[token].split(counts.tolist())
         outputs = [
             F.gelu(chunk @ self.up_proj[e]) @ self.down_proj[e] for e, chunk in enumerate(chunks)
         ]
-        weighted = torch.cat(outputs) * top_k_weights.flatten()[order, None].to(tokens.dtype)
-        return torch.zeros_like(tokens).index_add_(0, token, weighted)
+        return combine(tokens, torch.cat(outputs), top_k_weights, order, token)
+
+
+def by_expert(
+    top_k_index: torch.Tensor, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, expert) assignments of ``top_k_index`` (tokens, k) grouped by expert:
+    ``order`` (a stable sort of the flattened assignments), ``token`` (each sorted
+    assignment's token) and ``counts`` (assignments per expert)."""
+    flat = top_k_index.flatten()
+    order = torch.argsort(flat, stable=True)
+    return order, order // top_k_index.shape[1], torch.bincount(flat, minlength=num_experts)
+
+
+def combine(
+    tokens: torch.Tensor,
+    outputs: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    order: torch.Tensor,
+    token: torch.Tensor,
+) -> torch.Tensor:
+    """Each token's output: its experts' ``outputs`` (in :func:`by_expert`'s order) weighted
+    by ``top_k_weights`` and added up, in ``tokens``' shape and dtype."""
+    weighted = outputs * top_k_weights.flatten()[order, None].to(outputs.dtype)
+    return torch.zeros_like(tokens).index_add_(0, token, weighted.to(tokens.dtype))
 
 
 class MoE(nn.Module):

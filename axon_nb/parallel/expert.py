@@ -39,6 +39,7 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from axon_nb.models.moe import by_expert, combine
 from axon_nb.parallel.expert_plan import expert_modules
 
 # PyTorch 2.13 deprecates this module's all_to_all_single for the functional collectives',
@@ -63,11 +64,7 @@ class ExpertDispatch:
         # (the per-expert counts go first: 8 bytes per expert, then the tokens, then back)
         group, local = self.ep_group, self.num_experts
         ep = dist.get_world_size(group)
-        k = top_k_index.shape[1]
-        flat = top_k_index.flatten()
-        order = torch.argsort(flat, stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=local * ep)
+        order, token, counts = by_expert(top_k_index, local * ep)
         if self.training:  # the load the dashboard shows (summed until report reads it)
             routed = getattr(self, "routed", None)
             self.routed = counts.detach() if routed is None else routed + counts.detach()
@@ -78,8 +75,8 @@ class ExpertDispatch:
         inbound = dist_fn.all_to_all_single(
             tokens.new_empty(sum(recv), tokens.shape[1]), tokens[token], recv, send, group=group
         )
-        expert = torch.arange(local, device=flat.device).repeat(ep)
-        expert = expert.repeat_interleave(received.to(flat.device))
+        expert = torch.arange(local, device=counts.device).repeat(ep)
+        expert = expert.repeat_interleave(received.to(counts.device))
         with _local_weights(self):  # type: ignore[arg-type]
             outbound = super().forward(  # type: ignore[misc]
                 inbound, expert[:, None], torch.ones_like(expert, dtype=tokens.dtype)[:, None]
@@ -87,8 +84,7 @@ class ExpertDispatch:
         back = dist_fn.all_to_all_single(
             tokens.new_empty(len(token), tokens.shape[1]), outbound, send, recv, group=group
         )
-        weighted = back * top_k_weights.flatten()[order, None].to(back.dtype)
-        return torch.zeros_like(tokens).index_add_(0, token, weighted)
+        return combine(tokens, back, top_k_weights, order, token)
 
 
 def apply_ep(model: nn.Module, ep_mesh: Any, plan: Sequence[str] | None) -> list[nn.Module]:
@@ -106,16 +102,6 @@ def apply_ep(model: nn.Module, ep_mesh: Any, plan: Sequence[str] | None) -> list
         module.ep_group = ep_mesh.get_group()  # type: ignore[assignment]
         module.__class__ = _dispatching(type(module))
     return list(found.values())
-
-
-def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of ``model``'s dispatching experts modules."""
-    return [
-        p
-        for m in model.modules()
-        if isinstance(m, ExpertDispatch)
-        for p in m.parameters(recurse=False)  # type: ignore[attr-defined]
-    ]
 
 
 def take_routed_tokens(model: nn.Module) -> list[int] | None:
