@@ -18,10 +18,14 @@ from __future__ import annotations
 
 def forget_cached_meshes() -> None:
     """Clear DTensor's sharding-propagation caches, Python's and the C++ fast path's (what
-    PyTorch's ``torch.distributed.tensor.debug`` calls the way to clear them all), and its
-    cached redistribution plans."""
+    PyTorch's ``torch.distributed.tensor.debug`` calls the way to clear them all), its
+    cached redistribution plans and planners, and the meshes' topology records (each holds
+    its mesh, and so the mesh's process groups, for the life of the process)."""
     from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
     _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    MeshTopoInfo.build_from_mesh.cache_clear()

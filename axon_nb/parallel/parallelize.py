@@ -50,6 +50,7 @@ from axon_nb.parallel.dtensor_cache import forget_cached_meshes
 from axon_nb.parallel.expert import apply_ep, reduce_expert_grads, take_routed_tokens
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
+from axon_nb.parallel.group_ledger import recording
 from axon_nb.parallel.param_groups import GroupPlan, check_built, check_settings, plan_groups
 from axon_nb.parallel.pipeline import PipelinedModel
 from axon_nb.parallel.tensor import apply_tp
@@ -79,6 +80,19 @@ def parallelize(
     one), which ZeRO-2 buckets by; ``materialize``: for a model whose parameters are on the
     meta device, ``part -> None`` makes a part's parameters real and fills them
     (``axon_nb.rank.training.meta_init.loader``)."""
+    with recording(dims):  # (its groups are destroyed once no kept run holds ``dims``)
+        return _parallelize(model, dims, config, device, compile, groups, materialize)
+
+
+def _parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    config: ParallelConfig,
+    device: torch.device,
+    compile: bool,
+    groups: GroupPlan | None,
+    materialize: Callable[[nn.Module], None] | None,
+) -> ParallelModel:
     groups = groups if groups is not None else plan_groups(model)
     forget_cached_meshes()  # (DTensor's caches would hand this layout an earlier one's mesh)
     mesh = dims.mesh(device.type) if dist.is_initialized() else None

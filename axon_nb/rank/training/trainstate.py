@@ -9,10 +9,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from axon_nb.parallel import group_ledger
+from axon_nb.parallel.dtensor_cache import forget_cached_meshes
 from axon_nb.parallel.parallelize import ParallelModel
 from axon_nb.strategies import Strategy
 
 _STATES: dict[str, TrainState] = {}
+
+_active: str | None = None
+"""The run whose DTensors DTensor's dispatch caches may hold (see :func:`_activate`)."""
 
 
 @dataclass(kw_only=True)
@@ -66,7 +71,18 @@ def get(name: str = "model") -> TrainState:
             "in memory works between strategies on the same ranks; across a restart, "
             "cluster.save(path) before it and cluster.load(path) after (resharded on load)"
         )
+    _activate(name)
     return _STATES[name]
+
+
+def _activate(name: str | None) -> None:
+    """Empty DTensor's dispatch caches when another run becomes the one in use: they would
+    hand its operations the mesh of the run used before (``parallel/dtensor_cache.py``),
+    whose groups may be destroyed by then."""
+    global _active
+    if name != _active:
+        forget_cached_meshes()
+        _active = name
 
 
 def runs() -> dict[str, TrainState]:
@@ -75,7 +91,10 @@ def runs() -> dict[str, TrainState]:
 
 
 def put(state: TrainState) -> None:
+    """Keep ``state`` under its name (a run of that name before it is let go)."""
     _STATES[state.name] = state
+    _release_groups()
+    _activate(state.name)
 
 
 def drop(name: str) -> None:
@@ -86,6 +105,17 @@ def drop(name: str) -> None:
     shell = get_ipython()
     if shell is not None:
         shell.user_ns.pop(name, None)
+    _release_groups()
+
+
+def _release_groups() -> None:
+    """Destroy the process groups of layouts no kept run uses (replaced, dropped, or built
+    by a run that failed): idle gloo groups still cost threads and CPU."""
+    global _active
+    held = [s.parallel.dims for s in _STATES.values() if s.parallel is not None]
+    if group_ledger.release_unheld(held):
+        forget_cached_meshes()  # (they may hold the destroyed groups' meshes)
+        _active = None
 
 
 @dataclass(kw_only=True)

@@ -164,9 +164,11 @@ def reform(master_port: int) -> dict[str, object]:
     """Destroy the current process group and join a fresh one on ``master_port``."""
     import torch.distributed as dist
 
+    from axon_nb.parallel import group_ledger
     from axon_nb.rank.checkpoint.checkpoint_schedule import forget_save_group
 
     forget_save_group()  # its group dies with the world
+    group_ledger.forget()  # and so do the layouts' groups
     if dist.is_initialized():
         # A severed group may fail to say goodbye; it is gone either way.
         with contextlib.suppress(Exception):

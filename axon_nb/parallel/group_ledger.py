@@ -1,0 +1,77 @@
+"""Process groups a layout made, destroyed once no run holds the layout any more.
+
+Every ``parallelize`` builds a device mesh: a process group per mesh axis and one per
+flattened axis. A gloo group keeps three threads and its sockets, and its threads wake up
+even when idle, so on a rank that lives through many runs (a notebook's cluster) groups
+that nobody uses would pile up and keep the CPU busy. Groups are therefore recorded against
+the :class:`~axon_nb.spec.parallel_dims.ParallelDims` they were made for, and destroyed when
+no kept run lays its model out on those dims (``trainstate.put`` and ``drop`` ask).
+
+Groups made outside ``parallelize`` (the world, a user's ``new_group``) are never touched.
+
+Example::
+
+    with recording(dims):
+        parallel = build(...)          # groups made here belong to ``dims``
+    release_unheld([parallel.dims])    # destroys the groups of every other recorded dims
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+_MADE: dict[int, tuple[object, list[Any]]] = {}
+"""id(owner) -> (owner, the process groups made for it)."""
+
+
+@contextlib.contextmanager
+def recording(owner: object) -> Iterator[None]:
+    """Attribute every process group created inside the block to ``owner``."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    if not dist.is_initialized():
+        yield
+        return
+    before = set(_world.pg_map)
+    try:
+        yield
+    finally:
+        made = [g for g in _world.pg_map if g not in before]
+        if made:
+            _MADE.setdefault(id(owner), (owner, []))[1].extend(made)
+
+
+def release_unheld(held: Iterable[object]) -> int:
+    """Destroy the groups of every recorded owner not in ``held`` (by identity); returns how
+    many were destroyed. Groups already gone (a re-formed world) are skipped. A group's
+    threads end when its last reference goes: meshes refer to each other (a root and its
+    flattened axes), so the cycle collector runs once groups were destroyed."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    keep = {id(owner) for owner in held}
+    destroyed = 0
+    for key in [k for k in _MADE if k not in keep]:
+        _, groups = _MADE.pop(key)
+        for group in groups:
+            if group in _world.pg_map:
+                dist.destroy_process_group(group)
+                destroyed += 1
+    if destroyed:
+        gc.collect()
+    return destroyed
+
+
+def forget() -> None:
+    """Drop every record (the world these groups lived in is gone)."""
+    _MADE.clear()
+
+
+def recorded() -> int:
+    """How many groups are recorded as made by layouts (for tests and diagnostics)."""
+    return sum(len(groups) for _, groups in _MADE.values())

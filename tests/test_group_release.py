@@ -1,0 +1,93 @@
+"""A run's process groups live as long as the run: replacing or dropping it destroys them, so
+a cluster that trains cell after cell keeps as many groups (and gloo threads) as it has runs,
+and a kept run resumed after others came and went still trains exactly."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+import axon_nb
+from axon_nb import DDP, FSDP, TensorParallel, ZeRO
+from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+from axon_nb.rank import entry
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+RUN: dict[str, Any] = dict(
+    model=functools.partial(GPT, CONFIG),
+    data=functools.partial(token_dataset, 256, block_size=16, vocab_size=64),
+    loss=lm_loss,
+    batch_size=8,
+    optimizer=("adamw", {"lr": 3e-3}),
+)
+
+
+def _groups_and_threads() -> tuple[int, int]:
+    import gc
+    import os
+
+    from torch.distributed.distributed_c10d import _world
+
+    gc.collect()
+    return len(_world.pg_map), len(os.listdir("/proc/self/task"))
+
+
+def _unregistered_groups_of(name: str) -> list[str]:
+    """The groups of run ``name``'s mesh that are no longer registered (destroyed)."""
+    from torch.distributed.distributed_c10d import _world
+
+    from axon_nb.rank.training import trainstate
+
+    mesh = trainstate.get(name).parallel.mesh
+    groups = [mesh.get_group(dim) for dim in range(mesh.ndim)]
+    return [g.group_name for g in groups if g not in _world.pg_map]
+
+
+def test_training_cell_after_cell_keeps_the_groups_of_the_kept_runs_only(
+    cluster: axon_nb.Cluster,
+) -> None:
+    strategies = [DDP(), FSDP(), TensorParallel(), ZeRO(stage=2), ZeRO(stage=1)]
+    seen: list[list[tuple[int, int]]] = []
+    for round_ in range(2):  # each layout holds as much the second time round as the first
+        for i, strategy in enumerate(strategies):
+            cluster.train(**RUN, strategy=strategy, steps=1, name="cells")
+            now = cluster.run(_groups_and_threads, stream=False)
+            if round_ == 0:
+                seen.append(now)
+                continue
+            for rank, ((groups0, threads0), (groups, threads)) in enumerate(
+                zip(seen[i], now, strict=True)
+            ):
+                where = f"rank {rank} under {strategy.describe()}"
+                assert groups == groups0, f"{where} holds {groups} groups, {groups0} before"
+                assert threads <= threads0, f"{where} runs {threads} threads, {threads0} before"
+    first = seen[0]
+    cluster.run(entry.drop_run, "cells", stream=False)
+    dropped = cluster.run(_groups_and_threads, stream=False)
+    assert all(g < g0 for (g, _), (g0, _) in zip(dropped, first, strict=True)), (dropped, first)
+
+
+def test_a_run_resumed_beside_another_and_after_it_was_dropped_continues_exactly(
+    cluster: axon_nb.Cluster,
+) -> None:
+    # Another run of the same layout comes and goes: its groups go with it, the kept run's
+    # stay (and DTensor's caches, which could hand the kept run the other's mesh, are
+    # emptied whenever the run in use changes).
+    whole = cluster.train(**RUN, strategy=TensorParallel(), steps=9, name="whole").losses
+    losses = cluster.train(**RUN, strategy=TensorParallel(), steps=3, name="kept").losses
+    cluster.train(**RUN, strategy=TensorParallel(), steps=2, name="passing")
+    losses += cluster.train(
+        **RUN, strategy=TensorParallel(), steps=3, name="kept", resume=True
+    ).losses
+    cluster.run(entry.drop_run, "passing", stream=False)
+    assert cluster.run(_unregistered_groups_of, "kept", stream=False) == [[], []]
+    losses += cluster.train(
+        **RUN, strategy=TensorParallel(), steps=3, name="kept", resume=True
+    ).losses
+    assert losses == pytest.approx(whole, rel=1e-6)
+    for name in ("whole", "kept"):
+        cluster.run(entry.drop_run, name, stream=False)
