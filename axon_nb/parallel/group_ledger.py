@@ -19,6 +19,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -48,9 +51,8 @@ def release_unheld(held: Iterable[object]) -> int:
     """Destroy the groups of every recorded owner not in ``held`` (by identity); returns how
     many were destroyed. Groups already gone (a re-formed world) are skipped. A group's
     threads end when its last reference goes: meshes refer to each other (a root and its
-    flattened axes), so the cycle collector runs once groups were destroyed."""
-    import gc
-
+    flattened axes), so the cycle collector runs once groups were destroyed; compiled
+    graphs are dropped too (they may name the groups)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
@@ -59,11 +61,22 @@ def release_unheld(held: Iterable[object]) -> int:
     for key in [k for k in _MADE if k not in keep]:
         _, groups = _MADE.pop(key)
         for group in groups:
-            if group in _world.pg_map:
+            if group not in _world.pg_map:
+                continue
+            try:
                 dist.destroy_process_group(group)
                 destroyed += 1
+            except Exception as e:  # (one failing must not keep the rest)
+                warnings.warn(f"could not destroy process group {group.group_name}: {e}",
+                              stacklevel=2)  # fmt: skip
     if destroyed:
         gc.collect()
+        if "torch._dynamo" in sys.modules:
+            # Compiled graphs of a mesh's collectives name its groups, and a kept run of the
+            # same layout may reuse such a graph: compile again rather than meet them.
+            import torch
+
+            torch.compiler.reset()
     return destroyed
 
 

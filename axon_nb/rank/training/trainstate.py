@@ -111,11 +111,19 @@ def drop(name: str) -> None:
 def _release_groups() -> None:
     """Destroy the process groups of layouts no kept run uses (replaced, dropped, or built
     by a run that failed): idle gloo groups still cost threads and CPU."""
-    global _active
     held = [s.parallel.dims for s in _STATES.values() if s.parallel is not None]
-    if group_ledger.release_unheld(held):
-        forget_cached_meshes()  # (they may hold the destroyed groups' meshes)
-        _active = None
+    try:
+        group_ledger.release_unheld(held)
+    finally:
+        forget_world()  # (the caches may hold the destroyed groups' meshes)
+
+
+def forget_world() -> None:
+    """Empty DTensor's caches and forget which run was in use: groups were destroyed, or
+    the world was re-formed (group names start again)."""
+    global _active
+    forget_cached_meshes()
+    _active = None
 
 
 @dataclass(kw_only=True)

@@ -166,9 +166,11 @@ def reform(master_port: int) -> dict[str, object]:
 
     from axon_nb.parallel import group_ledger
     from axon_nb.rank.checkpoint.checkpoint_schedule import forget_save_group
+    from axon_nb.rank.training import trainstate
 
     forget_save_group()  # its group dies with the world
     group_ledger.forget()  # and so do the layouts' groups
+    trainstate.forget_world()  # (DTensor's caches name groups of the old world)
     if dist.is_initialized():
         # A severed group may fail to say goodbye; it is gone either way.
         with contextlib.suppress(Exception):
