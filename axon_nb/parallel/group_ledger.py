@@ -83,8 +83,3 @@ def release_unheld(held: Iterable[object]) -> int:
 def forget() -> None:
     """Drop every record (the world these groups lived in is gone)."""
     _MADE.clear()
-
-
-def recorded() -> int:
-    """How many groups are recorded as made by layouts (for tests and diagnostics)."""
-    return sum(len(groups) for _, groups in _MADE.values())

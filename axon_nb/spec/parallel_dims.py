@@ -124,7 +124,8 @@ class ParallelDims:
             shape = tuple(getattr(self, a) for a in axes)
             mesh = init_device_mesh(device_type, shape, mesh_dim_names=axes)
             # Kept here: PyTorch asks that a flattened axis be held, not sliced from the root.
-            dp = mesh[("dp_replicate", "dp_shard", *axes[3:-1])]._flatten("dp")
+            dp_axes = ("dp_replicate", "dp_shard", "ep") if self.ep > 1 else axes[1:3]
+            dp = mesh[dp_axes]._flatten("dp")
             edp = mesh["dp_replicate", "dp_shard"]._flatten("edp") if self.ep > 1 else dp
             self._meshes[device_type] = (mesh, dp, edp)
         return self._meshes[device_type]
