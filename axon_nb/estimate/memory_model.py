@@ -13,16 +13,21 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                the order gradients arrived (the old ones go after); with activation
                checkpointing ``2 T b``: the peak then comes late in backward, when the
                gradients and their copies in the buckets are both whole
-``grads``      ``T b / s`` (FSDP: gradient shards; the unsharded ones are transient). In
-               a pipeline FSDP accumulates whole gradients over the micro-batches and
-               reduce-scatters after the last: ``T b``
+``grads``      ``T b``; none where FSDP shards them: each unit's reduce-scatter makes
+               its gradient shards after the unit's backward, and at the peak, in the
+               first units' backward, that unit's whole gradients are in ``gathered`` and
+               (almost) no shard exists yet. In a pipeline FSDP accumulates whole
+               gradients over the micro-batches and reduce-scatters after the last:
+               ``T b``
 ``activations``  saved activations of the rank's layers x the samples in flight (a
                pipeline keeps several micro-batches); with activation checkpointing a
                checkpointed block keeps its input only, and one block's activations are
                rebuilt at a time in backward; tensor parallelism splits the measured
                share of them; 16-bit compute halves them
 ``backward``   the last layer's backward working set (activation gradients, the loss's
-               temporaries), on the rank that holds it
+               temporaries) x the samples in flight, on the rank that holds it; not
+               halved by 16-bit compute: at the peak it is the loss's gradient, which
+               losses compute in fp32 (autocast's cross entropy does, ``lm_loss`` too)
 ``pipeline``   a pipeline stage's receive buffers, one per micro-batch (activations in,
                gradients back: ``batch x boundary bytes`` each way it receives; none
                come back to a stage when it and every layer before it are frozen), and
@@ -33,8 +38,10 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                parameters, gradients and optimizer state on every rank
 ``gathered``   FSDP: whole parameters of two units at once (the one running and the
                prefetched next) and one unit's whole gradients on their way into its
-               reduce-scatter; without resharding after forward, all parameters. A
-               pipeline stage is one FSDP unit (its layers are not in a ``ModuleList``):
+               reduce-scatter; without resharding after forward, all the units' whole
+               parameters (copies beside the shards, which stay) and one unit's
+               gradients. A pipeline stage is one FSDP unit (its layers are not in a
+               ``ModuleList``):
                ``P b`` gathered, and ``T b`` more for the reduce-scatter's copy of the
                accumulated gradients
 =============  ==================================================================
@@ -82,6 +89,8 @@ def predict_memory(
     compute = mixed_precision or (fsdp.param_dtype if fsdp is not None else None)
     half = 0.5 if compute in HALF else 1.0
     replicated = layout.kind in ("ddp", "zero1")
+    # the loss's gradient and temporaries, in fp32 whatever the compute dtype
+    backward = profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
     terms = {
         "params": local * b / layout.param_shards + mine * b,
         "optimizer": (trained / layout.optimizer_shards + mine) * state_bytes(optimizer),
@@ -89,17 +98,17 @@ def predict_memory(
         "rebuild": trained * b * (2 if layout.config.activation_checkpointing else 1)
         if replicated
         else 0.0,
-        "grads": trained * b / (layout.param_shards if layout.dims.pp == 1 else 1) + mine * b,
+        "grads": _grads(layout, trained * b) + mine * b,
         "activations": half * _activations(layers, layout),
-        "backward": (
-            half * profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
-        ),
+        "backward": backward,
         "pipeline": _pipeline(profile, layout, trained * b),
         "gathered": _gathered(layers, layout, tp, b if compute not in HALF else 2),
     }
     offloaded = 0.0
     if fsdp is not None and fsdp.cpu_offload:
-        offloaded = terms["params"] + terms["grads"] + terms["optimizer"]
+        # the host keeps the gradient shards, which on the device come only after the peak
+        grads = max(terms["grads"], trained * b / layout.param_shards)
+        offloaded = terms["params"] + grads + terms["optimizer"]
         terms.update(params=0.0, grads=0.0, optimizer=0.0)
     terms["peak"] = sum(terms.values())
     terms["offloaded"] = offloaded
@@ -152,6 +161,13 @@ def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) ->
     return received + weight_grads
 
 
+def _grads(layout: RankLayout, trained_bytes: float) -> float:
+    """The ``grads`` term: gradients of ``trained_bytes`` of parameters alive at the peak."""
+    if layout.kind == "fsdp" and layout.param_shards > 1 and layout.dims.pp == 1:
+        return 0.0  # each unit's reduce-scatter makes its shards after its backward: none yet
+    return trained_bytes  # (a pipeline accumulates them whole over its micro-batches)
+
+
 def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -> float:
     shards = layout.param_shards
     if layout.kind != "fsdp" or shards == 1:
@@ -169,6 +185,7 @@ def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -
     assert layout.config.fsdp is not None
     if layout.dims.pp > 1:  # the stage is one unit
         return sum(p + t for p, t in units) * b
-    if not layout.config.fsdp.reshard_after_forward:
-        return sum(p for p, _ in units) * b * (1 - 1 / shards)
-    return (sum(sorted(p for p, _ in units)[-2:]) + max(t for _, t in units)) * b
+    whole = sorted(p for p, _ in units)  # whole copies, beside the shards
+    if layout.config.fsdp.reshard_after_forward:
+        whole = whole[-2:]  # the unit running and the prefetched next
+    return (sum(whole) + max(t for _, t in units)) * b

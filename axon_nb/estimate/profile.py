@@ -86,8 +86,9 @@ class ModelProfile:
     param_bytes: int = 4
     """Bytes per parameter element as stored (4: fp32)."""
     backward_extra_bytes: float = 0.0
-    """Per sample: the most bytes alive during backward beyond the saved activations and the
-    parameter gradients (activation gradients, temporaries, the loss's own)."""
+    """Per sample: the bytes alive at the probe's peak (the start of backward) beyond the saved
+    activations, the parameter gradients alive then and the parameters themselves: activation
+    gradients and the loss's temporaries, which grow with the samples."""
     flops: float = 0.0
     """Training FLOPs per sample: forward 2, backward 2 (activation gradients) and 2 more for
     each trainable parameter's gradient, x parameters x tokens (6 x parameters x tokens when

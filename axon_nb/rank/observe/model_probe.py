@@ -24,9 +24,13 @@ each layer it records:
   running the layer again with its planned linears narrowed to half their split features
   (0 where the model cannot run so, or has no plan).
 
-And for the whole model: ``backward_extra_bytes`` per sample, the most bytes alive during
-forward and backward beyond the saved activations and the parameter gradients (the gradients
-of activations, temporaries), and ``flops`` per sample ((4 x parameters + 2 x trainable
+And for the whole model: ``backward_extra_bytes`` per sample, the bytes alive at the peak of
+forward and backward beyond the saved activations, the parameter gradients alive then (none
+when the peak comes at the start of backward, as it does when the loss's gradient is the
+largest; a frozen parameter never has one) and the parameters' own storage (an operator that
+returns a view of a parameter, such as a ``Linear``'s transposed weight, shows its bytes to
+the tracker, but they do not grow with the samples): the gradients of activations and the
+loss's temporaries. And ``flops`` per sample ((4 x parameters + 2 x trainable
 parameters) x tokens: frozen weights get no gradient; 6 x parameters x tokens when all train;
 tokens are the samples where no token count is known).
 
@@ -89,15 +93,15 @@ def profile_model(
             owner["experts"] += module.num_experts
             hooks.append(module.register_forward_hook(_record_routed(owner)))
     model.zero_grad(set_to_none=True)
+    tracker = _ProbeTracker(model)
+    hooks += tracker.gradient_hooks()
     try:
-        with PeakTracker() as tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = _forward(model, layers, inputs, target, loss_fn)
             loss.float().sum().backward()
     finally:
         for hook in hooks:
             hook.remove()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
-                if p.grad is not None)  # fmt: skip
     model.zero_grad(set_to_none=True)
     saved_total = sum(sum(s.values()) for s in saved)
     for row, layer_saved in zip(rows, saved, strict=True):
@@ -120,11 +124,54 @@ def profile_model(
     return {
         "layers": rows,
         "param_bytes": _param_bytes(model),
-        "backward_extra_bytes": max(0, tracker.peak - saved_total - grads) / samples,
+        "backward_extra_bytes": max(0, tracker.peak - saved_total - tracker.not_extra) / samples,
         "flops": (4 * params + 2 * trainable) * tokens,
         "tokens_per_sample": tokens,
         "probe_samples": samples,
     }
+
+
+class _ProbeTracker(PeakTracker):
+    """``PeakTracker`` that also knows, at its peak, the bytes of parameter gradients alive and
+    of the parameters' own storage it counted (a view of a parameter, such as a ``Linear``'s
+    transposed weight, is counted at its parameter's size, once): ``not_extra``, their sum,
+    is what ``backward_extra_bytes`` leaves out of the peak besides the saved activations."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.not_extra = 0
+        self._model = model
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._viewed: set[int] = set()
+        self._views = 0
+        self._grads = 0
+
+    def gradient_hooks(self) -> list[Any]:
+        """Hooks (to remove afterwards) that count each gradient once it is accumulated."""
+
+        def accumulated(param: nn.Parameter) -> None:
+            assert param.grad is not None
+            self._grads += param.grad.untyped_storage().nbytes()
+
+        return [
+            p.register_post_accumulate_grad_hook(accumulated)
+            for p in self._model.parameters()
+            if p.requires_grad
+        ]
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        try:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no real storage (a wrapper subclass)
+            key = 0
+        if key in self._params and key not in self._viewed:
+            self._viewed.add(key)
+            self._views += storage.nbytes()
+        peak = self.peak
+        super()._track(tensor)
+        if self.peak > peak:
+            self.not_extra = self._views + self._grads
 
 
 def _measure_split(
