@@ -60,7 +60,7 @@ slurm:
 	  echo "Slurm could not be installed: tests/test_slurm.py will be skipped"
 
 test: lint check-extension chromium sshd slurm
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(BIN)/python benchmarks/cluster_start.py

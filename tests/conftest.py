@@ -28,10 +28,6 @@ os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
 )
 
 
-Started = tuple[object, list[int]]
-"""What a pooled cluster must still be: its options and its rank processes."""
-
-
 class ClusterPool:
     """Started clusters kept for the whole session of one pytest worker, one per set of
     options: a module asks for ``get(n)`` and gets the running cluster of earlier modules when
@@ -39,28 +35,30 @@ class ClusterPool:
     CPU for every rank (each imports torch), the largest cost of the suite on two cores."""
 
     def __init__(self) -> None:
-        self._clusters: dict[tuple[int, float], tuple[axon_nb.Cluster, Started]] = {}
+        self._clusters: dict[tuple[int, float], tuple[axon_nb.Cluster, object]] = {}
 
     def get(self, n: int, timeout: float = 120) -> axon_nb.Cluster:
         key = (n, timeout)
         if key in self._clusters:
-            cluster, started = self._clusters.pop(key)
-            if self._healthy(cluster, started):
-                self._clusters[key] = (cluster, started)
+            cluster, options = self._clusters.pop(key)
+            if self._healthy(cluster, options):
+                self._clusters[key] = (cluster, options)
                 return cluster
             cluster.stop()
         cluster = axon_nb.Cluster(n=n, timeout=timeout).start()
-        self._clusters[key] = (cluster, _as_started(cluster))
+        self._clusters[key] = (cluster, dataclasses.replace(cluster.options))
         return cluster
 
     @staticmethod
-    def _healthy(cluster: axon_nb.Cluster, started: object) -> bool:
-        """Running as started, with the same rank processes (a test may restart, recover,
-        resize, stop or break it); the runs an earlier module left on the ranks are dropped."""
+    def _healthy(cluster: axon_nb.Cluster, options: object) -> bool:
+        """Running with the options it was started with (a test may stop, resize or break
+        it; one that restarted it or recovered a rank hands back a cluster as good as new),
+        nothing left going on its ranks, and every rank in one world; the runs an earlier
+        module left on the ranks are dropped."""
         n = cluster.options.n
-        if not cluster.running or _as_started(cluster) != started:
+        if not cluster.running or cluster.options != options:
             return False
-        if cluster._client.outstanding:  # a run left going (block=False) or stuck
+        if len(cluster.ranks) != n or cluster._client.outstanding:  # a run left going
             return False
         try:
             return cluster.run(_fresh_world_sum, stream=False) == [n] * n
@@ -71,10 +69,6 @@ class ClusterPool:
         for cluster, _ in self._clusters.values():
             cluster.stop()
         self._clusters.clear()
-
-
-def _as_started(cluster: axon_nb.Cluster) -> Started:
-    return dataclasses.replace(cluster.options), [r["pid"] for r in cluster.ranks]
 
 
 def _fresh_world_sum() -> int:
@@ -129,13 +123,15 @@ def shell() -> Iterator[InteractiveShell]:
 
 
 SLOW_FIRST = (
-    "test_recovery.py", "test_train_model_parallel.py", "test_hosts.py", "test_hf_models.py",
-    "test_interrupts.py", "test_start_under_load.py", "test_lab_sidebar.py", "test_hang.py",
-    "test_train_fsdp.py", "test_stop.py", "test_lifecycle.py", "test_predictions.py",
-    "test_checkpoint.py", "test_notebook.py", "test_parallel_options.py",
+    "test_recovery.py", "test_train_model_parallel.py", "test_relayout.py",
+    "test_start_under_load.py", "test_hosts.py", "test_notebook.py", "test_hang.py",
+    "test_stop.py", "test_train_fsdp.py", "test_kernel_exit.py", "test_lifecycle.py",
+    "test_interrupts.py", "test_checkpoint.py", "test_train_ddp.py", "test_hf_models.py",
+    "test_predictions.py", "test_rescue.py",
 )  # fmt: skip
-"""The longest files, started first: `make test` hands whole files to two workers in this
-order (pytest-xdist's loadfile), so none of them is left running alone at the end."""
+"""The longest files (by `pytest --durations=0`), started first: `make test` hands whole files
+to two workers in this order (pytest-xdist's loadfile with --no-loadscope-reorder; its default
+order, most tests first, left the 150 s file of one test running alone at the end)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -12,6 +12,7 @@ import pytest
 import axon_nb
 from axon_nb import DDP, FSDP, TensorParallel, ZeRO
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+from axon_nb.parallel.group_ledger import LINGER_LIMIT
 from axon_nb.rank import entry
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -34,6 +35,15 @@ def _groups_and_threads() -> tuple[int, int]:
 
     gc.collect()
     return len(_world.pg_map), len(os.listdir("/proc/self/task"))
+
+
+def _lingering() -> int:
+    """Destroyed groups still alive (their threads too), without running the collector."""
+    import sys
+
+    from axon_nb.parallel import group_ledger
+
+    return group_ledger.collect_lingering(limit=sys.maxsize)
 
 
 def _unregistered_groups_of(name: str) -> list[str]:
@@ -69,6 +79,19 @@ def test_training_cell_after_cell_keeps_the_groups_of_the_kept_runs_only(
     cluster.run(entry.drop_run, "cells", stream=False)
     dropped = cluster.run(_groups_and_threads, stream=False)
     assert all(g < g0 for (g, _), (g0, _) in zip(dropped, first, strict=True)), (dropped, first)
+
+
+def test_destroyed_groups_wait_for_the_cycle_collector_a_bounded_while(
+    cluster: axon_nb.Cluster,
+) -> None:
+    """The ledger forces a collection only once LINGER_LIMIT destroyed groups are alive (a
+    full one costs a short call most of its time); never more wait than that."""
+    alive = []
+    for strategy in [FSDP(), TensorParallel(), DDP()] * 4:
+        cluster.train(**RUN, strategy=strategy, steps=1, name="cells")
+        alive.append(max(cluster.run(_lingering, stream=False)))
+    assert max(alive) < LINGER_LIMIT, alive
+    cluster.run(entry.drop_run, "cells", stream=False)
 
 
 def test_a_run_resumed_beside_another_and_after_it_was_dropped_continues_exactly(

@@ -48,13 +48,12 @@ def _check(table: axon_nb.train.compare.Comparison) -> None:
     check_predictions(table, memory_tol=0.10, comm_tol=0.05)
 
 
-def test_predictions_match_two_ranks() -> None:
-    with axon_nb.Cluster(n=2, timeout=120) as cluster:
-        table = cluster.compare(TWO_RANKS, **TRAIN)
-        # the advisor on a cluster: the model profiled on rank 0, the links as measured
-        measured = cluster.bandwidth("all_reduce", sizes="256K:1M", iters=3)
-        advice = cluster.advise(TRAIN["model"], TRAIN["data"], lm_loss, device_memory="1GB",
-                                batch_size=16)  # fmt: skip
+def test_predictions_match_two_ranks(cluster: axon_nb.Cluster) -> None:
+    table = cluster.compare(TWO_RANKS, **TRAIN)
+    # the advisor on a cluster: the model profiled on rank 0, the links as measured
+    measured = cluster.bandwidth("all_reduce", sizes="256K:1M", iters=3)
+    advice = cluster.advise(TRAIN["model"], TRAIN["data"], lm_loss, device_memory="1GB",
+                            batch_size=16)  # fmt: skip
     _check(table)
     assert "predicted" in str(table).splitlines()[0]
     assert advice.best is not None and all(r["fits"] for r in advice.rows if "fits" in r)
@@ -63,6 +62,5 @@ def test_predictions_match_two_ranks() -> None:
     assert links.intra_host == links.inter_host == top
 
 
-def test_predictions_match_four_ranks() -> None:
-    with axon_nb.Cluster(n=4, timeout=120) as cluster:
-        _check(cluster.compare(FOUR_RANKS, **TRAIN))
+def test_predictions_match_four_ranks(cluster4: axon_nb.Cluster) -> None:
+    _check(cluster4.compare(FOUR_RANKS, **TRAIN))

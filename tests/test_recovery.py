@@ -7,7 +7,7 @@ import os
 import random
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 _BENCHMARKS = str(Path(__file__).parent.parent / "benchmarks")
 sys.path.insert(0, _BENCHMARKS)
 from recovery import kill_a_rank_at  # noqa: E402  (shared with benchmarks/recovery.py)
+
+if TYPE_CHECKING:
+    from conftest import ClusterPool
 
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=32, vocab_size=64)
 ARGS: dict[str, Any] = dict(
@@ -67,34 +70,34 @@ LAYOUTS = [
 
 @pytest.mark.parametrize(("strategy", "ranks"), LAYOUTS, ids=lambda v: repr(v))
 def test_a_killed_rank_is_recovered_and_the_run_ends_as_if_never_killed(
-    strategy: Any, ranks: int, tmp_path: Path
+    strategy: Any, ranks: int, tmp_path: Path, cluster_pool: ClusterPool
 ) -> None:
     rng = random.Random(f"{strategy!r}")
     kill_step, victim = rng.randint(9, 18), rng.randrange(ranks)
     args = {**ARGS, "strategy": strategy}
-    with axon_nb.Cluster(n=ranks, timeout=60) as cluster:
-        whole = cluster.train(**args)
-        expected = cluster.run(full_params, stream=False)[0]
-        kill_a_rank_at(cluster, kill_step, victim)
-        result = cluster.train(
-            **args,
-            checkpoint_dir=tmp_path,
-            checkpoint_every=4,
-            keep=2,
-            max_restarts=2,
-            metrics_interval_s=0.05,  # the killer sees the steps soon enough to land mid-run
-        )
-        assert len(result.restarts) == 1, result.restarts
-        restart = result.restarts[0]
-        failed, resumed = restart["failed_at_step"], restart["resumed_from"]
-        assert failed >= kill_step
-        # from a periodic checkpoint (every 4 steps), the newest or (still being written) the one
-        # before it
-        assert resumed % 4 == 0 and 4 <= resumed <= failed and failed - resumed < 8
-        assert [h["step"] for h in result.history] == list(range(1, ARGS["steps"] + 1))
-        assert result.losses == whole.losses  # bit for bit
-        recovered = cluster.run(full_params, stream=False)[0]
-        assert all(torch.equal(recovered[k], expected[k]) for k in expected)
+    cluster = cluster_pool.get(ranks)  # recovered, it goes back to the pool as good as new
+    whole = cluster.train(**args)
+    expected = cluster.run(full_params, stream=False)[0]
+    kill_a_rank_at(cluster, kill_step, victim)
+    result = cluster.train(
+        **args,
+        checkpoint_dir=tmp_path,
+        checkpoint_every=4,
+        keep=2,
+        max_restarts=2,
+        metrics_interval_s=0.05,  # the killer sees the steps soon enough to land mid-run
+    )
+    assert len(result.restarts) == 1, result.restarts
+    restart = result.restarts[0]
+    failed, resumed = restart["failed_at_step"], restart["resumed_from"]
+    assert failed >= kill_step
+    # from a periodic checkpoint (every 4 steps), the newest or (still being written) the one
+    # before it
+    assert resumed % 4 == 0 and 4 <= resumed <= failed and failed - resumed < 8
+    assert [h["step"] for h in result.history] == list(range(1, ARGS["steps"] + 1))
+    assert result.losses == whole.losses  # bit for bit
+    recovered = cluster.run(full_params, stream=False)[0]
+    assert all(torch.equal(recovered[k], expected[k]) for k in expected)
 
 
 def test_bad_checkpoint_options_are_refused(cluster: axon_nb.Cluster, tmp_path: Path) -> None:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -11,6 +10,9 @@ from models import make_data, make_mlp, mse
 
 import axon_nb
 from axon_nb import DDP
+
+if TYPE_CHECKING:
+    from conftest import ClusterPool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -25,9 +27,8 @@ gradient into parameter moves of up to about lr; measured ~3e-4 (loss), ~7e-3 (p
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def cluster(request: pytest.FixtureRequest) -> Iterator[axon_nb.Cluster]:
-    with axon_nb.Cluster(n=request.param, timeout=60) as c:
-        yield c
+def cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) -> axon_nb.Cluster:
+    return cluster_pool.get(request.param)
 
 
 def _args(**changes: Any) -> dict[str, Any]:

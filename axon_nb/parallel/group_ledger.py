@@ -9,11 +9,19 @@ no kept run lays its model out on those dims (``trainstate.put`` and ``drop`` as
 
 Groups made outside ``parallelize`` (the world, a user's ``new_group``) are never touched.
 
+A destroyed group's threads end when the group object is freed, and the meshes and wrapped
+modules that refer to it sit in reference cycles: only the cycle collector frees them. A full
+collection costs a rank a few tenths of a second (it walks every object torch and the engine
+made), which was most of a short ``train`` call when it ran on every release; so it runs once
+``LINGER_LIMIT`` destroyed groups are still alive (:func:`collect_lingering`), which bounds
+their idle threads, and Python's own collector frees most before that.
+
 Example::
 
     with recording(dims):
         parallel = build(...)          # groups made here belong to ``dims``
     release_unheld([parallel.dims])    # destroys the groups of every other recorded dims
+    collect_lingering()                # frees them once enough wait for the cycle collector
 """
 
 from __future__ import annotations
@@ -22,11 +30,19 @@ import contextlib
 import gc
 import sys
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 _MADE: dict[int, tuple[object, list[Any]]] = {}
 """id(owner) -> (owner, the process groups made for it)."""
+
+LINGER_LIMIT = 8
+"""Destroyed groups allowed to wait for Python's collector before one is forced (a gloo
+group keeps three threads)."""
+
+_LINGERING: list[weakref.ref] = []
+"""The destroyed groups, while their objects are alive."""
 
 
 @contextlib.contextmanager
@@ -49,10 +65,8 @@ def recording(owner: object) -> Iterator[None]:
 
 def release_unheld(held: Iterable[object]) -> int:
     """Destroy the groups of every recorded owner not in ``held`` (by identity); returns how
-    many were destroyed. Groups already gone (a re-formed world) are skipped. A group's
-    threads end when its last reference goes: meshes refer to each other (a root and its
-    flattened axes), so the cycle collector runs once groups were destroyed; compiled
-    graphs are dropped too (they may name the groups)."""
+    many were destroyed. Groups already gone (a re-formed world) are skipped. Compiled graphs
+    are dropped when any was destroyed (they may name the groups)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world
 
@@ -66,20 +80,31 @@ def release_unheld(held: Iterable[object]) -> int:
             try:
                 dist.destroy_process_group(group)
                 destroyed += 1
+                _LINGERING.append(weakref.ref(group))
             except Exception as e:  # (one failing must not keep the rest)
                 warnings.warn(f"could not destroy process group {group.group_name}: {e}",
                               stacklevel=2)  # fmt: skip
-    if destroyed:
-        gc.collect()
-        if "torch._dynamo" in sys.modules:
-            # Compiled graphs of a mesh's collectives name its groups, and a kept run of the
-            # same layout may reuse such a graph: compile again rather than meet them.
-            import torch
+    if destroyed and "torch._dynamo" in sys.modules:
+        # Compiled graphs of a mesh's collectives name its groups, and a kept run of the
+        # same layout may reuse such a graph: compile again rather than meet them.
+        import torch
 
-            torch.compiler.reset()
+        torch.compiler.reset()
     return destroyed
+
+
+def collect_lingering(limit: int = LINGER_LIMIT) -> int:
+    """Run the cycle collector when ``limit`` or more destroyed groups are still alive (call
+    it once nothing else refers to them: after DTensor's caches are emptied); returns how
+    many are alive afterwards."""
+    _LINGERING[:] = [ref for ref in _LINGERING if ref() is not None]
+    if len(_LINGERING) >= limit:
+        gc.collect()
+        _LINGERING[:] = [ref for ref in _LINGERING if ref() is not None]
+    return len(_LINGERING)
 
 
 def forget() -> None:
     """Drop every record (the world these groups lived in is gone)."""
     _MADE.clear()
+    _LINGERING.clear()

@@ -114,6 +114,7 @@ def _release_groups() -> None:
     held = [s.parallel.dims for s in _STATES.values() if s.parallel is not None]
     if group_ledger.release_unheld(held):  # (a failing destroy is warned about, not raised)
         forget_world()  # (the caches may hold the destroyed groups' meshes)
+        group_ledger.collect_lingering()
 
 
 def forget_world() -> None:
