@@ -46,6 +46,17 @@ def _lingering() -> int:
     return group_ledger.collect_lingering(limit=sys.maxsize)
 
 
+def _alive_after_collecting() -> int:
+    """Destroyed groups that a full collection leaves alive: something still refers to them."""
+    import gc
+    import sys
+
+    from axon_nb.parallel import group_ledger
+
+    gc.collect()
+    return group_ledger.collect_lingering(limit=sys.maxsize)
+
+
 def _unregistered_groups_of(name: str) -> list[str]:
     """The groups of run ``name``'s mesh that are no longer registered (destroyed)."""
     from torch.distributed.distributed_c10d import _world
@@ -86,11 +97,26 @@ def test_destroyed_groups_wait_for_the_cycle_collector_a_bounded_while(
 ) -> None:
     """The ledger forces a collection only once LINGER_LIMIT destroyed groups are alive (a
     full one costs a short call most of its time); never more wait than that."""
+    held = max(cluster.run(_alive_after_collecting, stream=False))  # (earlier modules')
     alive = []
     for strategy in [FSDP(), TensorParallel(), DDP()] * 4:
         cluster.train(**RUN, strategy=strategy, steps=1, name="cells")
-        alive.append(max(cluster.run(_lingering, stream=False)))
+        alive.append(max(cluster.run(_lingering, stream=False)) - held)
     assert max(alive) < LINGER_LIMIT, alive
+    cluster.run(entry.drop_run, "cells", stream=False)
+
+
+def test_a_failed_call_keeps_nothing_it_built_alive(cluster: axon_nb.Cluster) -> None:
+    """A rank keeps its last error until the next one (IPython's sys.last_traceback); its
+    frames held the failed call's model and mesh, and so the groups destroyed with it."""
+    held = cluster.run(_alive_after_collecting, stream=False)  # (earlier modules')
+    cluster.train(**RUN, strategy=TensorParallel(), steps=1, name="cells")
+    with pytest.raises(axon_nb.RankError, match="does not fit the model"):
+        cluster.train(**RUN, strategy=TensorParallel(plan={"blocks.*.ffn": "colwise"}), steps=1,
+                      name="cells")  # fmt: skip
+    cluster.train(**RUN, strategy=DDP(), steps=1, name="cells")  # the failed layout's go
+    alive = cluster.run(_alive_after_collecting, stream=False)
+    assert all(a <= h for a, h in zip(alive, held, strict=True)), (alive, held)
     cluster.run(entry.drop_run, "cells", stream=False)
 
 

@@ -26,7 +26,27 @@ def call(packed: bytes) -> Any:
     import pickle
 
     fn, args, kwargs = pickle.loads(packed)
-    return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:
+        _forget_locals(e)
+        raise
+
+
+def _forget_locals(error: BaseException) -> None:
+    """Clear the finished frames of ``error``'s traceback (and of the errors it chains). The
+    engine keeps the last error until the next one (IPython's ``sys.last_traceback``), and
+    its frames would keep what the failed call built alive: a model, its optimizer state,
+    the process groups of its layout. The traceback still formats (code and line numbers);
+    only the frames' variables go."""
+    import traceback
+
+    seen: set[int] = set()
+    pending: BaseException | None = error
+    while pending is not None and id(pending) not in seen:
+        seen.add(id(pending))
+        traceback.clear_frames(pending.__traceback__)
+        pending = pending.__cause__ or pending.__context__
 
 
 # -- joining the world ----------------------------------------------------------------------
