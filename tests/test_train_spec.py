@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
 import axon_nb
-from axon_nb.metrics.stream import SCHEMA, MetricsPublisher
+from axon_nb.metrics import stream
+from axon_nb.metrics.stream import RESEND_S, SCHEMA, MetricsPublisher
 from axon_nb.spec.train_spec import check_world, make_spec
 from axon_nb.strategies import DDP, SingleDevice
 from axon_nb.train.result import merge_records
@@ -64,7 +66,9 @@ def test_learning_rate_warms_up_then_decays() -> None:
     assert LRShape(warmup_steps=0, horizon=10)(7) == 1.0
 
 
-def test_publisher_throttles_and_repeats_the_previous_records() -> None:
+def test_publisher_throttles_and_repeats_the_recent_records(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     sent: list[dict] = []
     pub = MetricsPublisher(sent.append, header={"rank": 0}, interval_s=3600)
     assert pub.due()
@@ -76,12 +80,19 @@ def test_publisher_throttles_and_repeats_the_previous_records() -> None:
     pub.add({"step": 3})
     pub.publish("finished", step=3)
     assert [m["status"] for m in sent] == ["running", "running", "finished"]
-    assert [[r["step"] for r in m["records"]] for m in sent] == [[1], [1, 2], [2, 3]]
+    # the kernel reads only the latest publication: each repeats those of the last RESEND_S
+    assert [[r["step"] for r in m["records"]] for m in sent] == [[1], [1, 2], [1, 2, 3]]
     assert sent[0]["schema"] == SCHEMA and sent[0]["rank"] == 0
     assert [r["step"] for r in pub.records] == [1, 2, 3]
     off = MetricsPublisher(sent.append, header={}, interval_s=0)
     off.publish()
     assert len(sent) == 3 and not off.due()
+    # older publications are not repeated, except the previous one
+    later = time.monotonic() + 2 * RESEND_S
+    monkeypatch.setattr(stream.time, "monotonic", lambda: later)
+    pub.add({"step": 4})
+    pub.publish(step=4)
+    assert [r["step"] for r in sent[-1]["records"]] == [3, 4]
 
 
 def test_history_merges_ranks_and_keeps_per_rank_figures() -> None:

@@ -2,7 +2,9 @@
 the notebook and named by the errors that need it (a failed start, a dead rank).
 
 Files live in ``$XDG_STATE_HOME/axon_nb/logs`` (``~/.local/state/axon_nb/logs``), owner-only
-(directory 0700, files 0600); the newest :data:`KEEP` are kept.
+(directory 0700, files 0600); the newest :data:`KEEP` are kept, and never the log of a cluster
+that may still run: one this process has not stopped, or one of another process still alive
+(its name holds the pid of the process that started it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from pathlib import Path
 
 KEEP = 20
 """How many clusters' logs are kept (older ones are removed when a cluster starts)."""
+
+_OPEN: set[Path] = set()
+"""The logs of this process's clusters that are not stopped yet."""
 
 
 def log_dir() -> Path:
@@ -54,6 +59,7 @@ class ClusterLog:
         path = directory / f"cluster-{stamp}-{os.getpid()}-{time.monotonic_ns() % 10**6}.log"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         os.close(fd)
+        _OPEN.add(path)
         return cls(path)
 
     def tail(self, lines: int = 15) -> str:
@@ -78,10 +84,39 @@ class ClusterLog:
         """Stop writing (the file stays for the errors that named it)."""
         self.logger.removeHandler(self._handler)
         self._handler.close()
+        _OPEN.discard(self.path)
 
 
 def _prune(directory: Path) -> None:
+    """Remove the oldest logs beyond ``KEEP - 1`` that belong to no running cluster. (An idle
+    cluster writes nothing, so the oldest file may be the log of one still running: removed,
+    its errors would name a file that is gone.)"""
     logs = sorted(directory.glob("cluster-*.log"), key=lambda p: p.stat().st_mtime)
-    for old in logs[: max(0, len(logs) - KEEP + 1)]:
+    excess = len(logs) - KEEP + 1
+    for old in logs:
+        if excess <= 0:
+            break
+        if _may_still_run(old):
+            continue
         with contextlib.suppress(OSError):
             old.unlink()
+        excess -= 1
+
+
+def _may_still_run(path: Path) -> bool:
+    """Whether the cluster that writes ``path`` may still be running."""
+    if path in _OPEN:
+        return True
+    try:
+        pid = int(path.name.split("-")[3])  # cluster-<date>-<time>-<pid>-<n>.log
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False  # this process's, and stopped (it is not open)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True

@@ -61,6 +61,16 @@ SCHEMA = "axon_nb.metrics/1"
 STATUSES = ("running", "finished", "stopped", "failed")
 
 
+RESEND_S = 2.0
+"""A publication repeats the records of the publications of the last ``RESEND_S`` seconds (at
+least the previous one): the kernel reads only an engine's latest publication (ipyparallel
+keeps the last), polling every 0.1 s and later when it is loaded, so records of a publication
+it never read would be lost from the history."""
+
+RESEND_MAX = 1024
+"""At most this many repeated records in one publication (the most recent)."""
+
+
 class MetricsPublisher:
     """Buffers step records and publishes them, throttled to one message per ``interval_s``.
 
@@ -78,7 +88,8 @@ class MetricsPublisher:
         self._header = header
         self._interval_s = interval_s
         self._last_sent = float("-inf")
-        self._previous: list[dict[str, Any]] = []
+        self._sent: list[tuple[float, list[dict[str, Any]]]] = []
+        """(when, records) of the recent publications, which the next one repeats."""
         self._pending: list[dict[str, Any]] = []
         self.records: list[dict[str, Any]] = []
         """Every record of this call, for the final result."""
@@ -92,9 +103,14 @@ class MetricsPublisher:
         return self._sink is not None and time.monotonic() - self._last_sent >= self._interval_s
 
     def publish(self, status: str = "running", **fields: Any) -> None:
-        """Send one message with the records since the previous one (and that one's records)."""
+        """Send one message with the records since the previous one and those of the
+        publications of the last ``RESEND_S`` seconds."""
         if self._sink is None:
             return
+        now = time.monotonic()
+        recent = [sent for sent in self._sent[:-1] if now - sent[0] <= RESEND_S]
+        self._sent = recent + self._sent[-1:]
+        repeated = [record for _, records in self._sent for record in records][-RESEND_MAX:]
         message = {
             "schema": SCHEMA,
             **self._header,
@@ -102,8 +118,9 @@ class MetricsPublisher:
             "error": None,
             "heartbeat": time.time(),
             **fields,
-            "records": self._previous + self._pending,
+            "records": repeated + self._pending,
         }
         self._sink(message)
-        self._last_sent = time.monotonic()
-        self._previous, self._pending = self._pending, []
+        self._last_sent = now
+        self._sent.append((now, self._pending))
+        self._pending = []

@@ -1,0 +1,52 @@
+"""Clusters' log files: the oldest go once there are more than ``KEEP``, but never the log of a
+cluster that may still run (an idle cluster writes nothing, so its log can be the oldest)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from axon_nb.cluster import logs
+
+
+def _log_of(directory: Path, pid: int, age_s: int) -> Path:
+    """A log file named as ``ClusterLog.create`` names them, ``age_s`` seconds old."""
+    path = directory / f"cluster-20261126-000000-{pid}-{age_s}.log"
+    path.write_text("engine 0 registered\n")
+    mtime = path.stat().st_mtime - age_s
+    os.utime(path, (mtime, mtime))
+    return path
+
+
+def test_logs_of_running_clusters_are_never_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setattr(logs, "KEEP", 3)
+    directory = logs.log_dir()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(ended.stdout)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        running = logs.ClusterLog.create()  # this process's, not stopped: the oldest of all
+        os.utime(running.path, (1, 1))
+        stopped = logs.ClusterLog.create()
+        stopped.close()
+        os.utime(stopped.path, (2, 2))
+        other = _log_of(directory, alive.pid, 500)  # another kernel, still alive
+        for age in (400, 300, 200):  # a kernel that exited
+            _log_of(directory, dead, age)
+        newest = logs.ClusterLog.create()  # prunes down to KEEP - 1 = 2 others where it can
+        # 6 older logs, KEEP 3: the four oldest that belong to no running cluster go (the
+        # stopped one of this process and the three of a kernel that exited)
+        assert set(directory.glob("cluster-*.log")) == {running.path, other, newest.path}
+        running.close()
+        newest.close()
+    finally:
+        alive.kill()
+        alive.wait()
