@@ -15,6 +15,8 @@ import os
 import time
 from pathlib import Path
 
+from axon_nb.cluster.stopping import alive
+
 KEEP = 20
 """How many clusters' logs are kept (older ones are removed when a cluster starts)."""
 
@@ -113,10 +115,4 @@ def _may_still_run(path: Path) -> bool:
         return False
     if pid == os.getpid():
         return False  # this process's, and stopped (it is not open)
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True
+    return alive(pid)

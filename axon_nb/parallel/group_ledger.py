@@ -13,8 +13,9 @@ A destroyed group's threads end when the group object is freed, and the meshes a
 modules that refer to it sit in reference cycles: only the cycle collector frees them. A full
 collection costs a rank a few tenths of a second (it walks every object torch and the engine
 made), which was most of a short ``train`` call when it ran on every release; so it runs once
-``LINGER_LIMIT`` destroyed groups are still alive (:func:`collect_lingering`), which bounds
-their idle threads, and Python's own collector frees most before that.
+``LINGER_LIMIT`` destroyed groups are still alive (:func:`collect_lingering`; beyond those the
+last one could not free), which bounds their idle threads, and Python's own collector frees
+most before that.
 
 Example::
 
@@ -43,6 +44,11 @@ group keeps three threads)."""
 
 _LINGERING: list[weakref.ref] = []
 """The destroyed groups, while their objects are alive."""
+
+_survivors = 0
+"""How many of them the last forced collection left alive: something still refers to them
+(a model its user kept), so collecting again frees them no more; the next one waits for
+``LINGER_LIMIT`` more."""
 
 
 @contextlib.contextmanager
@@ -94,17 +100,22 @@ def release_unheld(held: Iterable[object]) -> int:
 
 
 def collect_lingering(limit: int = LINGER_LIMIT) -> int:
-    """Run the cycle collector when ``limit`` or more destroyed groups are still alive (call
-    it once nothing else refers to them: after DTensor's caches are emptied); returns how
-    many are alive afterwards."""
+    """Run the cycle collector when ``limit`` or more destroyed groups are alive beyond those
+    the last forced collection left (call it once nothing else refers to them: after
+    DTensor's caches are emptied); returns how many are alive afterwards."""
+    global _survivors
     _LINGERING[:] = [ref for ref in _LINGERING if ref() is not None]
-    if len(_LINGERING) >= limit:
+    if len(_LINGERING) - _survivors >= limit:
         gc.collect()
         _LINGERING[:] = [ref for ref in _LINGERING if ref() is not None]
+        _survivors = len(_LINGERING)
+    _survivors = min(_survivors, len(_LINGERING))
     return len(_LINGERING)
 
 
 def forget() -> None:
     """Drop every record (the world these groups lived in is gone)."""
+    global _survivors
     _MADE.clear()
     _LINGERING.clear()
+    _survivors = 0
