@@ -51,10 +51,12 @@ class PeakTracker(TorchDispatchMode):
         super().__exit__(*exc)
 
     def _track(self, tensor: torch.Tensor) -> None:
-        found = storage_of(tensor)
-        if found is None:
+        local = getattr(tensor, "_local_tensor", tensor)  # a DTensor's shard on this rank
+        try:
+            storage = local.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no real storage (a wrapper subclass)
             return
-        storage, key = found
         if key == 0 or key in self._live:  # empty, or an in-place result / view
             return
         self._live[key] = storage.nbytes()
@@ -65,14 +67,3 @@ class PeakTracker(TorchDispatchMode):
     def _release(self, key: int) -> None:
         if self._active:
             self.current -= self._live.pop(key, 0)
-
-
-def storage_of(tensor: torch.Tensor) -> tuple[torch.UntypedStorage, int] | None:
-    """The storage behind ``tensor`` (a DTensor's: its shard's on this rank) and its data
-    pointer; None for a tensor without real storage (a wrapper subclass)."""
-    local = getattr(tensor, "_local_tensor", tensor)
-    try:
-        storage = local.untyped_storage()
-        return storage, storage.data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon_nb.metrics.peak import PeakTracker, storage_of
+from axon_nb.metrics.peak import PeakTracker
 from axon_nb.parallel.expert_plan import stacked_experts
 from axon_nb.spec.pretrained_model import PretrainedModel
 
@@ -160,9 +160,12 @@ class _ProbeTracker(PeakTracker):
         ]
 
     def _track(self, tensor: torch.Tensor) -> None:
-        found = storage_of(tensor)
-        if found is not None and found[1] in self._params and found[1] not in self._viewed:
-            storage, key = found
+        try:
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no real storage (a wrapper subclass)
+            key = 0
+        if key in self._params and key not in self._viewed:
             self._viewed.add(key)
             self._views += storage.nbytes()
         peak = self.peak
