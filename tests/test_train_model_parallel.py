@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import pytest
@@ -105,20 +106,24 @@ def test_measured_bubble_follows_the_schedule(cluster: axon_nb.Cluster) -> None:
 
     Layers are wide enough that computing dominates the fixed cost of passing a micro-batch
     on, and every micro-batch holds 8 samples, so only the schedule changes between runs.
+    Each figure is the median over steps of the ranks' mean: a step in which the other
+    tests running beside this one took a core shows as idle time, and the median leaves it out.
     """
-    args = {**ARGS, "model": lambda: GPT(GPTConfig(n_layer=6, n_embd=512, n_head=4)), "steps": 4}
+    args = {**ARGS, "model": lambda: GPT(GPTConfig(n_layer=6, n_embd=512, n_head=4)), "steps": 6}
 
     def bubble(m: int, **options: Any) -> float:
         strategy = Pipeline(microbatches=m, **options)
         result = cluster.train(**{**args, "batch_size": 8 * m}, strategy=strategy)
-        print(f"{strategy.schedule} p=2 m={m}: bubble {result.bubble:.3f}")
-        return result.bubble
+        per_step = [statistics.mean(h["per_rank"]["bubble"]) for h in result.history[1:]]
+        print(f"{strategy.schedule} p=2 m={m}: bubble {per_step}")
+        return statistics.median(per_step)
 
     few, many = bubble(2, schedule="gpipe"), bubble(8, schedule="gpipe")
     assert 0.5 / 3 < few < 1 / 3 + 0.15  # formula: 1/3
     assert 0.5 / 9 < many < few  # formula: 1/9
-    plain = bubble(4, schedule="1f1b")  # formula: 1/5
-    interleaved = bubble(4, schedule="interleaved_1f1b", virtual_stages=2)  # formula: 1/9
+    # Two micro-batches, where the schedules differ most: measured alone 0.25 against 0.17.
+    plain = bubble(2, schedule="1f1b")  # formula: 1/3
+    interleaved = bubble(2, schedule="interleaved_1f1b", virtual_stages=2)  # formula: 1/5
     assert interleaved < plain
 
 
