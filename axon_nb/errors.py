@@ -66,6 +66,8 @@ class RankDiedError(RankError):
 
     log = ""
     """The end of the cluster's log (the engines' output) and where all of it is."""
+    when = "while running"
+    """When it died: "while running" (a call), "between calls" (found at the next one)."""
 
     def with_log(self, log: str) -> RankDiedError:
         """This error, its message ending with ``log`` (what the rank printed last)."""
@@ -75,7 +77,7 @@ class RankDiedError(RankError):
 
     def _headline(self) -> str:
         headline = (
-            f"rank {self.rank} died while running ({self.evalue}). The world is broken: "
+            f"rank {self.rank} died {self.when} ({self.evalue}). The world is broken: "
             "run `%axon_cluster --restart` (or `cluster.restart()`) to start fresh ranks; "
             "first, `cluster.rescue(path)` saves what the surviving ranks hold"
         )

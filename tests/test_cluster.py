@@ -192,6 +192,23 @@ def test_killed_engine_is_named_and_restart_recovers(cluster4: axon_nb.Cluster) 
     assert set(engine_pids(cluster4)).isdisjoint(old)
 
 
+def test_a_rank_killed_between_calls_is_named_at_the_next_call(cluster: axon_nb.Cluster) -> None:
+    """Killed while idle (the OOM killer, a `kill`): the next call says which rank died and
+    what to do (it was ipyparallel's ``KeyError: 1``), and restarting brings the world back."""
+    old = engine_pids(cluster)
+    os.kill(old[1], signal.SIGKILL)
+    assert wait_gone([old[1]]) == []
+    with pytest.raises(axon_nb.RankDiedError, match="rank 1 died between calls") as info:
+        cluster.run(_world)
+    assert "--restart" in str(info.value) and "cluster.rescue(path)" in str(info.value)
+    assert cluster.survivors() == ([0], [1])
+    with pytest.raises(axon_nb.ClusterBrokenError, match="rank 1 died \\(its output: "):
+        cluster.run(_world)
+    cluster.restart()
+    assert wait_gone(old) == []
+    assert {o["sum"] for o in cluster.run(_world)} == {3.0}
+
+
 @pytest.mark.timeout(120)
 def test_local_engines_without_mpi() -> None:
     def rank_and_sum() -> tuple[int, float]:

@@ -168,7 +168,9 @@ class Cluster(Transport):
             self._client.close()
             self._client = None
         if self._reaper is not None:
-            self._reaper.wait(timeout=10)  # it exits once the cluster file is gone
+            # Its work is done: the cluster is stopped (it would notice in its next poll).
+            self._reaper.terminate()
+            self._reaper.wait(timeout=10)
             self._reaper = None
         if self._watch is not None:
             self._watch.remove()

@@ -54,14 +54,21 @@ def wait_gone(procs: Iterable[psutil.Process], seconds: float) -> list[psutil.Pr
         time.sleep(0.05)
 
 
-def terminate_then_kill(tree: list[psutil.Process], roots: Iterable[int]) -> list[int]:
+def terminate_then_kill(
+    tree: list[psutil.Process], roots: Iterable[int], *, ranks_at_once: bool = False
+) -> list[int]:
     """SIGTERM the ``roots`` (the launchers) and the rank parents in ``tree``, wait
     ``KILL_AFTER_S``, SIGKILL the rest; the pids still running at the SIGKILL (empty when
-    SIGTERM sufficed)."""
+    SIGTERM sufficed). ``ranks_at_once``: SIGKILL the engines (and nannies) right after their
+    parents' SIGTERM, for a broken world, where busy survivors would only be waited out."""
     roots = set(roots)
-    for proc in tree:
-        if proc.pid in roots or _is_rank_parent(proc):
-            _send(proc, signal.SIGTERM)
+    parents = [p for p in tree if p.pid in roots or _is_rank_parent(p)]
+    for proc in parents:
+        _send(proc, signal.SIGTERM)
+    if ranks_at_once:  # (after the parents' SIGTERM: they take the engines' end as the stop)
+        for proc in tree:
+            if proc not in parents:
+                _send(proc, signal.SIGKILL)
     started = time.monotonic()
     below = [p for p in tree if p.pid not in roots]
     if below:
@@ -76,13 +83,6 @@ def terminate_then_kill(tree: list[psutil.Process], roots: Iterable[int]) -> lis
         _send(proc, signal.SIGKILL)
     wait_gone(left, 2.0)
     return [p.pid for p in left]
-
-
-def kill(tree: list[psutil.Process]) -> None:
-    """SIGKILL every process of ``tree`` at once (a rank known dead leaves nothing to ask)."""
-    for proc in tree:
-        _send(proc, signal.SIGKILL)
-    wait_gone(tree, 2.0)
 
 
 def _is_rank_parent(proc: psutil.Process) -> bool:
@@ -124,16 +124,20 @@ def launcher_pids(ipp_cluster: Any, *, engines: bool = True, controller: bool = 
 def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool) -> None:
     """End every process of ``ipp_cluster``, engines first, by the steps of ``stop_waits``:
     with ``ask`` and idle engines, a shutdown request through ``client`` first (a busy engine
-    acts on it only when its cell ends, and survivors of a dead rank may be stuck: then
-    there is no use asking)."""
+    acts on it only when its cell ends). Without ``ask`` (a rank died: survivors may be stuck
+    in collectives, and nothing on a broken world is kept) the engines are SIGKILLed at once."""
     engines = launcher_pids(ipp_cluster, controller=False)
     tree = process_tree(engines)
     if ask and client is not None:
         with contextlib.suppress(Exception):
             if not client.outstanding:
                 client.shutdown(targets="all", block=False)
-                wait_gone(tree, ASK_S)
-    terminate_then_kill(tree, engines)  # (returns at once if all are gone)
+                # The engines (and their nannies) act on it; the parent of a rank that died
+                # stays until signalled, so the rest of the tree gets only a short grace.
+                asked = [p for p in tree if p.pid not in engines and not _is_rank_parent(p)]
+                wait_gone(asked, ASK_S)
+                wait_gone(tree, LAUNCHER_GRACE_S)
+    terminate_then_kill(tree, engines, ranks_at_once=not ask)  # (at once if all are gone)
     controller = launcher_pids(ipp_cluster, engines=False)
     terminate_then_kill(process_tree(controller), controller)
     with contextlib.suppress(Exception):

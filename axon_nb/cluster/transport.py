@@ -129,6 +129,20 @@ class Transport:
         ]
         return [r["rank"] for r in self.ranks if r["rank"] not in dead], dead
 
+    def _check_alive(self) -> None:
+        """Raise :class:`RankDiedError` for a rank that died since the last call (killed
+        while idle: the OOM killer, a `kill`), marking the world broken as a death seen during
+        a call does, instead of ipyparallel's ``KeyError`` for an engine it dropped."""
+        _, dead = self.survivors()
+        if not dead:
+            return
+        self._dead.update(dead)
+        where = f" (its output: {self.log.path})" if self.log is not None else ""
+        self._broken = f"rank {dead[0]} died{where}"
+        error = RankDiedError(dead[0], "EngineError", "its process is gone", "", dead)
+        error.when = "between calls"
+        raise error.with_log(self.log.ending() if self.log is not None else "")
+
     def interrupt(self, ranks: Sequence[int] | None = None) -> None:
         """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
         Control(self.client, []).interrupt(self.targets(ranks))
@@ -212,6 +226,7 @@ class Transport:
                 "start fresh ranks"
             )
         world = list(range(len(self.ranks)))
+        self._check_alive()
         if ranks is None:
             return world
         bad = [r for r in ranks if r not in world]

@@ -95,6 +95,7 @@ def wait_for_ranks(
     soft_stop_s: float | None = None,
     hang: HangWatch | None = None,
     interrupted: bool = False,
+    settle_deaths: bool = True,
 ) -> dict[int, ipp.AsyncResult]:
     """Wait for ``ar`` (one message per rank, in ``ranks`` order) and return its parts by rank.
 
@@ -129,7 +130,10 @@ def wait_for_ranks(
                 tick()
             if hang is not None:
                 hang.check(_progress(parts))
-            if _failed(parts):
+            failed = _failed(parts)
+            if failed:
+                if not settle_deaths and any(_is_engine_death(parts[r].exception()) for r in failed):
+                    break
                 running = _settle_after_failure(parts, control, streams)
                 break
             wait_s = FLUSH_S

@@ -76,6 +76,9 @@ class TrainHandle:
         self.shown = False
         """True once the dashboard is displayed (then no text progress is printed)."""
         self._listeners: list[MetricsListener] = []
+        self.restart_on_death = False
+        """Set by automatic recovery (``max_restarts``), which restarts every rank when one
+        dies: the wait then ends at the death, without bringing the survivors to rest."""
         self._ended: dict[int, str] | None = None
         """The failures the listeners were told of at the run's end (None while it runs)."""
         hosts = len({r.get("host") for r in cluster.ranks})
@@ -92,6 +95,9 @@ class TrainHandle:
         """The steps when a hang was last reported (the dashboard shows it until they change)."""
         # Each publication repeats only the previous one's records, so read them well within
         # two publication intervals, whether or not anyone is looking.
+        self._waited = threading.Event()
+        """Set when :meth:`wait` is over: the monitor stops, even with ranks still running
+        (a rank died and recovery restarts them all, or one is stuck in native code)."""
         self._monitor = threading.Thread(target=self._watch, name="axon-train-monitor", daemon=True)
         self._monitor.start()
 
@@ -140,7 +146,7 @@ class TrainHandle:
         return [part.get() for _, part in parts if part.ready() and part.successful()]
 
     def _watch(self) -> None:
-        while not self._ar.ready():
+        while not self._ar.ready() and not self._waited.is_set():
             self.poll()
             with self._lock:
                 for listener in self._listeners:
@@ -226,9 +232,11 @@ class TrainHandle:
                     soft_stop_s=SOFT_STOP_S,
                     watch_hangs=False,  # the monitor thread watches the steps instead
                     interrupted=interrupted,
+                    settle_deaths=not self.restart_on_death,
                 )
             finally:
                 # The monitor's last read and the dashboard's final state come before the result.
+                self._waited.set()
                 self._monitor.join(timeout=MONITOR_S * 50)
             self._result = build_result(
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()

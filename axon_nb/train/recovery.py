@@ -45,6 +45,7 @@ def train_with_restarts(cluster: ClusterLike, spec: TrainSpec, start: Start) -> 
     first_step: int | None = None
     target: int | None = None
     while True:
+        handle.restart_on_death = len(restarts) < spec.max_restarts  # (else the user may rescue)
         try:
             result = handle.wait()
             break
