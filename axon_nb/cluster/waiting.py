@@ -132,7 +132,8 @@ def wait_for_ranks(
                 hang.check(_progress(parts))
             failed = _failed(parts)
             if failed:
-                if not settle_deaths and any(_is_engine_death(parts[r].exception()) for r in failed):
+                deaths = [r for r in failed if _is_engine_death(parts[r].exception())]
+                if deaths and not settle_deaths:
                     break
                 running = _settle_after_failure(parts, control, streams)
                 break
