@@ -242,7 +242,8 @@ def test_training_stuck_in_a_collective_past_the_timeout_fails_naming_the_ranks(
         started = time.monotonic()
         with pytest.raises(axon_nb.RankError) as info:
             short.train(
-                model=make_mlp, data=make_data, loss=mse_late_on_rank1(2, 20), steps=4,
+                # rank 1 late by 12 s: well past rank 0's 5 s collective timeout
+                model=make_mlp, data=make_data, loss=mse_late_on_rank1(2, 12), steps=4,
                 batch_size=16,
             )  # fmt: skip
         assert time.monotonic() - started < 90
