@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("P
 os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
     prefix=f"axon-nb-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"
 )
+atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], ignore_errors=True)
 
 
 class ClusterPool:

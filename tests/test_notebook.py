@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,9 @@ def test_sharding_notebook_executes(tmp_path: Path) -> None:
 
 
 def test_dask_data_notebook_executes(tmp_path: Path) -> None:
+    tables = set(Path(tempfile.gettempdir()).glob("axon-dask-*"))
     nb = execute(EXAMPLES / "dask_data.ipynb", tmp_path / "dask_data.ipynb")
+    assert set(Path(tempfile.gettempdir()).glob("axon-dask-*")) <= tables  # it cleaned up
     outputs = [out for cell in nb.cells for out in cell.get("outputs", [])]
     text = "".join(out.get("text", "") for out in outputs)
     html = "".join(str(out.get("data", {}).get("text/html", "")) for out in outputs)

@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
-import psutil
 
 from axon_nb.cluster import hangs, startup
 from axon_nb.cluster.control import Control, held_interrupts
@@ -24,6 +23,7 @@ from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.sending import call_args
 from axon_nb.cluster.stacks import StackReport
+from axon_nb.cluster.stopping import alive
 from axon_nb.cluster.waiting import release_left_behind, results, wait_for_ranks
 from axon_nb.errors import ClusterBrokenError, NoClusterError, RankDiedError, RankError
 from axon_nb.rank import entry
@@ -125,7 +125,7 @@ class Transport:
             for r in self.ranks
             if r["rank"] in self._dead
             or r["rank"] not in registered
-            or (r.get("host") == here and not psutil.pid_exists(r["pid"]))
+            or (r.get("host") == here and not alive(r["pid"]))  # (a zombie has ended)
         ]
         return [r["rank"] for r in self.ranks if r["rank"] not in dead], dead
 
