@@ -209,6 +209,34 @@ def test_a_rank_killed_between_calls_is_named_at_the_next_call(cluster: axon_nb.
     assert {o["sum"] for o in cluster.run(_world)} == {3.0}
 
 
+def _peer_fails_first_then_rank_1_dies() -> None:
+    """Rank 1 closes its connections (rank 0's all-reduce fails at once), then dies a moment
+    later: the death is the cause, though rank 0's error arrives first."""
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        dist.destroy_process_group()
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(1))
+
+
+def test_a_death_is_reported_as_the_cause_even_when_a_peers_error_comes_first(
+    cluster: axon_nb.Cluster,
+) -> None:
+    with pytest.raises(axon_nb.RankDiedError, match="rank 1 died while running") as info:
+        cluster.run(_peer_fails_first_then_rank_1_dies)
+    assert info.value.failed_ranks[0] == 0  # rank 0's error came in first
+    with pytest.raises(axon_nb.ClusterBrokenError, match="rank 1 died"):
+        cluster.run(_world)  # the world is known to be broken
+    cluster.restart()
+    assert {o["sum"] for o in cluster.run(_world)} == {3.0}
+
+
 @pytest.mark.timeout(120)
 def test_local_engines_without_mpi() -> None:
     def rank_and_sum() -> tuple[int, float]:

@@ -329,10 +329,12 @@ def _raise_failures(parts: dict[int, ipp.AsyncResult], order: list[int], running
         return
     first = {rank: i for i, rank in reversed(list(enumerate(order)))}
     failed.sort(key=lambda r: (first.get(r, len(order)), r))
+    # A death is the cause whenever there is one: a peer's "connection closed" may arrive first.
+    deaths = [r for r in failed if _is_engine_death(parts[r].exception())]
+    if deaths:
+        raise RankDiedError(deaths[0], "EngineError", "its process exited", "", failed) from None
     rank = failed[0]
     exc = parts[rank].exception()
-    if _is_engine_death(exc):
-        raise RankDiedError(rank, "EngineError", "its process exited", "", failed) from None
     ename, evalue, tb = describe_error(exc)
     raise RankError(rank, ename, evalue, tb, failed, running) from None
 
