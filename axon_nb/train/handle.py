@@ -11,6 +11,7 @@ import ipyparallel as ipp
 
 from axon_nb.cluster.hangs import HangWatch
 from axon_nb.cluster.waiting import describe_error, results
+from axon_nb.errors import RankError
 from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.result import TrainResult, build_result, merge_records
 from axon_nb.train.trace_report import trace_table
@@ -93,11 +94,11 @@ class TrainHandle:
         self._hang = HangWatch(hang_timeout, self._on_hang) if hang_timeout is not None else None
         self._hang_at: object = None
         """The steps when a hang was last reported (the dashboard shows it until they change)."""
+        self._failed = threading.Event()
+        """Set when :meth:`wait` raised a rank's failure: the monitor stops, even with ranks
+        still running (a rank died and recovery restarts them all, or one is stuck)."""
         # Each publication repeats only the previous one's records, so read them well within
         # two publication intervals, whether or not anyone is looking.
-        self._waited = threading.Event()
-        """Set when :meth:`wait` is over: the monitor stops, even with ranks still running
-        (a rank died and recovery restarts them all, or one is stuck in native code)."""
         self._monitor = threading.Thread(target=self._watch, name="axon-train-monitor", daemon=True)
         self._monitor.start()
 
@@ -146,7 +147,7 @@ class TrainHandle:
         return [part.get() for _, part in parts if part.ready() and part.successful()]
 
     def _watch(self) -> None:
-        while not self._ar.ready() and not self._waited.is_set():
+        while not self._ar.ready() and not self._failed.is_set():
             self.poll()
             with self._lock:
                 for listener in self._listeners:
@@ -234,9 +235,11 @@ class TrainHandle:
                     interrupted=interrupted,
                     settle_deaths=not self.restart_on_death,
                 )
+            except RankError:
+                self._failed.set()  # (results that may never come are not waited for)
+                raise
             finally:
                 # The monitor's last read and the dashboard's final state come before the result.
-                self._waited.set()
                 self._monitor.join(timeout=MONITOR_S * 50)
             self._result = build_result(
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
