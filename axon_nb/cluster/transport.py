@@ -137,11 +137,16 @@ class Transport:
         if not dead:
             return
         self._dead.update(dead)
-        where = f" (its output: {self.log.path})" if self.log is not None else ""
-        self._broken = f"rank {dead[0]} died{where}"
         error = RankDiedError(dead[0], "EngineError", "its process is gone", "", dead)
         error.when = "between calls"
-        raise error.with_log(self.log.ending() if self.log is not None else "")
+        raise self._broken_by(error)
+
+    def _broken_by(self, error: RankDiedError) -> RankDiedError:
+        """Mark the world broken by ``error``'s rank; ``error``, ending with the log's end."""
+        self._dead.add(error.rank)
+        where = f" (its output: {self.log.path})" if self.log is not None else ""
+        self._broken = f"rank {error.rank} died{where}"
+        return error.with_log(self.log.ending() if self.log is not None else "")
 
     def interrupt(self, ranks: Sequence[int] | None = None) -> None:
         """Send SIGINT to the ranks (what Ctrl-C in a running cell does)."""
@@ -265,10 +270,7 @@ class Transport:
                 ar, targets, control=control, stream=stream, timeout=timeout, hang=hang, **options
             )
         except RankDiedError as e:
-            self._dead.add(e.rank)
-            where = f" (its output: {self.log.path})" if self.log is not None else ""
-            self._broken = f"rank {e.rank} died{where}"
-            e.with_log(self.log.ending() if self.log is not None else "")
+            self._broken_by(e)
             raise
         except RankError:
             # Ranks that failed apart may have issued different collectives (one raised, or
