@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -122,3 +124,69 @@ def test_a_rank_that_exits_while_starting_fails_the_start_naming_the_log(monkeyp
     assert time.monotonic() - started < 30
     assert "The cluster's log (" in str(info.value)  # where the engine's own words are
     assert wait_gone(list(_descendants() - before)) == []
+
+
+def _hold_a_port_the_controller_binds_late(monkeypatch) -> socket.socket:
+    """Make certain the race a controller can lose on a busy host: its ports are picked free
+    and bound a moment later, its broadcast schedulers' internal ports after it has written its
+    connection file. Here the engines' and clients' ports are free ones and the first internal
+    port is one this test holds (ipyparallel hands them out in that order)."""
+    from axon_nb.cluster import cluster as cluster_module
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    probes = [socket.socket() for _ in range(16)]
+    for probe in probes:
+        probe.bind(("127.0.0.1", 0))
+    free = [probe.getsockname()[1] for probe in probes]
+    for probe in probes:
+        probe.close()
+    args = [
+        *cluster_module.CONTROLLER_ARGS,
+        "--IPController.engine_ports=" + ",".join(map(str, free[:9])),
+        "--IPController.client_ports=" + ",".join(map(str, free[9:])),
+        f"--IPController.ports={held.getsockname()[1]}",
+    ]
+    monkeypatch.setattr(cluster_module, "CONTROLLER_ARGS", args)
+    return held
+
+
+def test_a_controller_that_lost_a_port_fails_the_start_at_once(monkeypatch) -> None:
+    """Seen in a full run: the controller exited ("Address already in use") after writing its
+    connection file, and the start waited out its 120 s for an answer. Now each try fails as
+    soon as the controller exits, the start is tried again, and the last error says why."""
+    held = _hold_a_port_the_controller_binds_late(monkeypatch)
+    before = _descendants()
+    started = time.monotonic()
+    try:
+        with pytest.raises(
+            axon_nb.ClusterStartError,
+            match="a port the controller picked was taken before it bound it",
+        ):
+            axon_nb.Cluster(n=2, start_timeout=120).start()
+    finally:
+        held.close()
+    assert time.monotonic() - started < 60  # three tries, none waits for the timeout
+    assert wait_gone(list(_descendants() - before)) == []
+
+
+def test_a_start_whose_controller_lost_a_port_is_tried_again(monkeypatch) -> None:
+    from axon_nb.cluster.logs import log_dir
+    from axon_nb.cluster.startup import PORT_TAKEN
+
+    held = _hold_a_port_the_controller_binds_late(monkeypatch)
+    since = time.time()
+
+    def free_the_port_once_it_was_lost() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            logs = [p for p in log_dir().glob("cluster-*.log") if p.stat().st_mtime >= since]
+            if any(PORT_TAKEN in p.read_text(errors="replace") for p in logs):
+                break
+            time.sleep(0.1)
+        held.close()
+
+    threading.Thread(target=free_the_port_once_it_was_lost, daemon=True).start()
+    with axon_nb.Cluster(n=2, start_timeout=120) as cluster:
+        assert cluster.run(lambda: 1, stream=False) == [1, 1]

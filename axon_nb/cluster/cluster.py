@@ -98,6 +98,26 @@ class Cluster(Transport):
         check_fits_here(opts)  # refused before anything is launched
         if _in_jupyter_kernel():  # a Ctrl-C as a cell ends must not leave the cell busy
             ipykernel_sigint.install()
+        for attempt in range(1, startup.CONTROLLER_ATTEMPTS + 1):
+            try:
+                self._launch(opts)
+                break
+            except startup.PortRace:
+                if attempt == startup.CONTROLLER_ATTEMPTS:
+                    raise
+        self._broken = None
+        self._dead = set()
+        # Before ipyparallel's own exit hook (registered earlier, so run later): a stop that
+        # ends busy ranks too (see stop_waits). A killed kernel is the reaper's.
+        atexit.register(self.stop)
+        self._registry = LabRegistry.for_kernel(self)
+        if self._registry is not None:
+            self._registry.start()
+        return self
+
+    def _launch(self, opts: ClusterOptions) -> None:
+        """One try at starting the controller, the engines and the world; on any failure
+        everything started is stopped, and :class:`startup.PortRace` says to try again."""
         self.log = ClusterLog.create()
         cluster = ipp.Cluster(
             n=opts.n, engines=opts.engines, log=self.log.logger, controller_args=CONTROLLER_ARGS
@@ -118,7 +138,7 @@ class Cluster(Transport):
                 stopping.launcher_pids(cluster),
             )
             # (ipyparallel's 10 s for the controller's first answer is too short on a busy host)
-            self._client = cluster.connect_client_sync(timeout=opts.start_timeout)
+            self._client = startup.connect_client(cluster, opts.start_timeout)
             startup.wait_for_engines(cluster, self._client, opts, self.log)
             self.ranks = startup.join_world(
                 self._client,
@@ -128,21 +148,17 @@ class Cluster(Transport):
                 kernel_addr=cluster.controller_ip or None,
             )
         except BaseException as e:
+            lost_a_port = startup.port_was_taken(cluster, self.log)
             self.stop()
+            tail = startup.log_tail(self.log)
+            if lost_a_port:
+                why = "" if isinstance(e, ClusterStartError) else f": {startup.PORT_TAKEN_WHY}"
+                raise startup.PortRace(f"{e}{why}\n{tail}") from e
             if isinstance(e, ClusterStartError) and "cluster's log" not in str(e):
-                raise ClusterStartError(f"{e}\n{startup.log_tail(self.log)}") from e
+                raise ClusterStartError(f"{e}\n{tail}") from e
             if isinstance(e, AxonError | KeyboardInterrupt):
                 raise
-            raise ClusterStartError(f"{e}\n{startup.log_tail(self.log)}") from e
-        self._broken = None
-        self._dead = set()
-        # Before ipyparallel's own exit hook (registered earlier, so run later): a stop that
-        # ends busy ranks too (see stop_waits). A killed kernel is the reaper's.
-        atexit.register(self.stop)
-        self._registry = LabRegistry.for_kernel(self)
-        if self._registry is not None:
-            self._registry.start()
-        return self
+            raise ClusterStartError(f"{e}\n{tail}") from e
 
     def stop(self) -> None:
         """Stop engines and controller. Safe to call twice. A Ctrl-C meanwhile is held until

@@ -32,7 +32,69 @@ PORT_TAKEN = "Address already in use"
 """What the controller logs when a port it picked was taken before it bound it: its ports are
 chosen free, then bound a moment later, and on a busy host another process may come between."""
 
+PORT_TAKEN_WHY = "a port the controller picked was taken before it bound it"
+
 CONTROLLER_ATTEMPTS = 3
+"""Starts (of the controller, or of the whole cluster when the controller lost a port after it
+had started) before a taken port fails the start."""
+
+CONNECT_TRY_S = 2.0
+"""How long one connection attempt waits for the controller's answer before the start checks
+that the controller is still sound and tries again."""
+
+
+class PortRace(ClusterStartError):
+    """The controller failed because a port it had picked was taken before it bound it (its
+    broadcast schedulers bind theirs after it has written its connection file): the whole start
+    is tried again, with new ports."""
+
+
+def controller_output(cluster: ipp.Cluster) -> str:
+    """What the controller has printed so far (read afresh; see :func:`read_output`)."""
+    path = getattr(cluster.controller, "output_file", "")
+    if not path or not os.path.isfile(path):
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
+def controller_failure(cluster: ipp.Cluster) -> str | None:
+    """Why ``cluster``'s controller cannot serve, or None. A controller whose start raised may
+    live on (its scheduler threads keep the process) without ever answering."""
+    controller = cluster.controller
+    if controller is None or controller.state == "after":
+        return "the controller exited while the cluster was starting"
+    output = controller_output(cluster)
+    if PORT_TAKEN in output:
+        return PORT_TAKEN_WHY
+    if "Traceback (most recent call last)" in output:
+        return "the controller failed while starting"
+    return None
+
+
+def port_was_taken(cluster: ipp.Cluster, log: ClusterLog | None) -> bool:
+    """Whether the controller failed because a port it picked was taken meanwhile."""
+    in_log = log is not None and PORT_TAKEN in log.tail(400)
+    return in_log or PORT_TAKEN in controller_output(cluster)
+
+
+def connect_client(cluster: ipp.Cluster, timeout: float) -> ipp.Client:
+    """A client connected to ``cluster``'s controller within ``timeout`` seconds, failing as
+    soon as the controller has failed (it can, after writing its connection file) instead of
+    waiting out the whole timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        failure = controller_failure(cluster)
+        if failure is not None:
+            raise ClusterStartError(failure)
+        wait = min(CONNECT_TRY_S, max(deadline - time.monotonic(), 0.1))
+        try:
+            return cluster.connect_client_sync(timeout=wait)
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise ClusterStartError(
+                    f"the controller did not answer within {timeout:.0f} s"
+                ) from None
 
 
 def start_controller(cluster: ipp.Cluster, log: ClusterLog | None) -> None:
@@ -66,6 +128,9 @@ def wait_for_engines(
         parents = rank_parents(cluster) if local else []
         alive = engine_pids(parents)
         seen |= alive
+        failure = controller_failure(cluster)
+        if failure is not None:
+            raise ClusterStartError(failure)
         stopped = any(launcher.state == "after" for launcher in cluster.engines.values())
         # A rank process that exited at once may never be seen (and the others then wait in
         # MPI_Init for it): MPI's proxy starts them all together, so once an engine runs,
