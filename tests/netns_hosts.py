@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -84,6 +85,7 @@ class NetnsHosts(Started):
             _run("ip", "netns", "add", name)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", IFACE, "netns", name)
             _run("ip", "link", "set", veth, "master", BRIDGE, "up")
+            self._name_service(name)
             inside = ("ip", "netns", "exec", name)
             _run(*inside, "ip", "addr", "add", f"{address}/24", "dev", IFACE)
             _run(*inside, "ip", "link", "set", IFACE, "up")
@@ -113,6 +115,19 @@ class NetnsHosts(Started):
         for address in self.addresses:
             self._wait_for_ssh(address)
 
+    def _name_service(self, name: str) -> None:
+        """Host ``name`` resolves names from its own hosts file, as a cluster's machines do;
+        ``ip netns exec`` mounts ``/etc/netns/NAME/*`` over ``/etc``. Without it, lookups went
+        to this machine's name server, which a namespace cannot reach: c10d's reverse lookup of
+        each peer waited out the resolver's timeout (10 s of every start)."""
+        config = Path("/etc/netns") / name
+        config.mkdir(parents=True, exist_ok=True)
+        hosts = [f"127.0.0.1 localhost {name}", f"{SUBNET}.1 {socket.gethostname()}"]
+        hosts += [f"{a} {n}" for n, a in zip(self.names, self.addresses, strict=True)]
+        (config / "hosts").write_text("\n".join(hosts) + "\n")
+        # nothing listens there: a name not in the file fails at once
+        (config / "resolv.conf").write_text("nameserver 127.0.0.1\n")
+
     def _wait_for_ssh(self, address: str, seconds: float = 20.0) -> None:
         deadline = time.monotonic() + seconds
         while True:
@@ -130,6 +145,7 @@ class NetnsHosts(Started):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 9)
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+            shutil.rmtree(Path("/etc/netns") / name, ignore_errors=True)
         for proc in self._sshd:
             proc.wait(timeout=10)
         self._sshd = []
