@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -92,9 +93,11 @@ def _remove_shared_files(pid: int) -> None:
 
 
 class _Stopping:
-    """What the signal handlers saw: when the engine was told to stop (monotonic time)."""
+    """What the signal handlers saw: when the engine was told to stop (monotonic time), and
+    the timer that SIGKILLs its tree ``TERM_S`` later unless it has ended by then."""
 
     since: float | None = None
+    kill_timer: threading.Timer | None = None
 
 
 def main(argv: list[str]) -> int:
@@ -118,6 +121,9 @@ def main(argv: list[str]) -> int:
         if signum != signal.SIGINT and stopping.since is None:
             stopping.since = time.monotonic()
             signum = signal.SIGTERM
+            stopping.kill_timer = threading.Timer(TERM_S, _kill_tree, args=(child.pid,))
+            stopping.kill_timer.daemon = True
+            stopping.kill_timer.start()
         if child.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(signum)
@@ -141,13 +147,12 @@ def main(argv: list[str]) -> int:
 
 
 def _wait(child: subprocess.Popen[bytes], stopping: _Stopping) -> int:
-    """The engine's exit code; SIGKILLs its tree ``TERM_S`` after a stop was asked."""
-    while True:
-        try:
-            return child.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            if stopping.since is not None and time.monotonic() - stopping.since > TERM_S:
-                _kill_tree(child.pid)
+    """The engine's exit code. A blocking wait (this process uses no CPU while the engine
+    runs); a stop's signal handler runs meanwhile and arms the SIGKILL of the engine's tree."""
+    code = child.wait()
+    if stopping.kill_timer is not None:
+        stopping.kill_timer.cancel()  # its pid may be another process's soon
+    return code
 
 
 if __name__ == "__main__":
