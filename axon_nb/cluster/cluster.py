@@ -25,7 +25,6 @@ from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.transport import Transport
 from axon_nb.errors import (
     AxonError,
-    ClusterStartError,
 )
 from axon_nb.rank import entry
 
@@ -98,13 +97,7 @@ class Cluster(Transport):
         check_fits_here(opts)  # refused before anything is launched
         if _in_jupyter_kernel():  # a Ctrl-C as a cell ends must not leave the cell busy
             ipykernel_sigint.install()
-        for attempt in range(1, startup.CONTROLLER_ATTEMPTS + 1):
-            try:
-                self._launch(opts)
-                break
-            except startup.PortRace:
-                if attempt == startup.CONTROLLER_ATTEMPTS:
-                    raise
+        startup.retrying_port_races(lambda: self._launch(opts))
         self._broken = None
         self._dead = set()
         # Before ipyparallel's own exit hook (registered earlier, so run later): a stop that
@@ -150,15 +143,10 @@ class Cluster(Transport):
         except BaseException as e:
             lost_a_port = startup.port_was_taken(cluster, self.log)
             self.stop()
-            tail = startup.log_tail(self.log)
-            if lost_a_port:
-                why = "" if isinstance(e, ClusterStartError) else f": {startup.PORT_TAKEN_WHY}"
-                raise startup.PortRace(f"{e}{why}\n{tail}") from e
-            if isinstance(e, ClusterStartError) and "cluster's log" not in str(e):
-                raise ClusterStartError(f"{e}\n{tail}") from e
-            if isinstance(e, AxonError | KeyboardInterrupt):
+            error = startup.start_error(e, lost_a_port, self.log)
+            if error is e:
                 raise
-            raise ClusterStartError(f"{e}\n{tail}") from e
+            raise error from e
 
     def stop(self) -> None:
         """Stop engines and controller. Safe to call twice. A Ctrl-C meanwhile is held until

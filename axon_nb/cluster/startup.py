@@ -16,7 +16,7 @@ from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.stopping import alive
 from axon_nb.cluster.waiting import results
-from axon_nb.errors import ClusterStartError, RankError
+from axon_nb.errors import AxonError, ClusterStartError, RankError
 from axon_nb.rank import entry
 from axon_nb.spec.bootstrap_spec import BootstrapSpec
 from axon_nb.spec.placement import PlacementError, plan_world
@@ -47,6 +47,33 @@ class PortRace(ClusterStartError):
     """The controller failed because a port it had picked was taken before it bound it (its
     broadcast schedulers bind theirs after it has written its connection file): the whole start
     is tried again, with new ports."""
+
+
+def retrying_port_races(launch: Callable[[], None]) -> None:
+    """``launch()``, tried again while it fails with :class:`PortRace`, up to
+    ``CONTROLLER_ATTEMPTS`` tries in all."""
+    for attempt in range(1, CONTROLLER_ATTEMPTS + 1):
+        try:
+            launch()
+            return
+        except PortRace:
+            if attempt == CONTROLLER_ATTEMPTS:
+                raise
+
+
+def start_error(error: BaseException, lost_a_port: bool, log: ClusterLog | None) -> BaseException:
+    """What a failed start raises: ``error`` itself for a Ctrl-C or one of ours that already
+    names the log, else a :class:`ClusterStartError` (a :class:`PortRace` when the controller
+    lost a port) ending with the end of the cluster's log."""
+    tail = log_tail(log)
+    if lost_a_port:
+        why = "" if isinstance(error, ClusterStartError) else f": {PORT_TAKEN_WHY}"
+        return PortRace(f"{error}{why}\n{tail}")
+    if isinstance(error, ClusterStartError) and "cluster's log" not in str(error):
+        return ClusterStartError(f"{error}\n{tail}")
+    if isinstance(error, AxonError | KeyboardInterrupt):
+        return error
+    return ClusterStartError(f"{error}\n{tail}")
 
 
 def controller_output(cluster: ipp.Cluster) -> str:

@@ -27,7 +27,12 @@ def forget_cached_meshes() -> None:
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[attr-defined]
-    torch._C._clear_DTensor_sharding_propagator_cache()
-    _redistribute._gen_transform_infos.cache_clear()
-    _redistribute.clear_redistribute_planner_cache()
-    MeshTopoInfo.build_from_mesh.cache_clear()
+    # Each of these exists only in some PyTorch releases (the pin is 2.13; `torch>=2.6` runs).
+    for clear in (
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),
+        getattr(getattr(_redistribute, "_gen_transform_infos", None), "cache_clear", None),
+        getattr(_redistribute, "clear_redistribute_planner_cache", None),
+        getattr(MeshTopoInfo.build_from_mesh, "cache_clear", None),
+    ):
+        if clear is not None:
+            clear()

@@ -151,7 +151,7 @@ class GradShardedModel(nn.Module):
         for p in bucket.params:
             p.grad = None  # the full gradients go; only this rank's slice stays
         out = torch.empty_like(bucket.shard)
-        work = dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)
+        work = _reduce_scatter()(out, flat, group=self.group, async_op=True)
         self._pending.append((work, out, bucket))
 
     def finish_backward(self) -> None:
@@ -171,7 +171,7 @@ class GradShardedModel(nn.Module):
     def gather(self) -> None:
         """Bring every rank's updated slice into every rank's buckets."""
         for bucket in self.buckets:
-            dist.all_gather_single(bucket.flat, bucket.shard.detach().clone(), group=self.group)
+            _all_gather()(bucket.flat, bucket.shard.detach().clone(), group=self.group)
 
     def shards(self) -> list[nn.Parameter]:
         """This rank's slices, one per bucket: what its optimizer steps."""
@@ -187,7 +187,7 @@ class GradShardedModel(nn.Module):
             for key, value in optimizer.state.get(bucket.shard, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == bucket.shard.shape:
                     full = value.new_empty(bucket.size)
-                    dist.all_gather_single(full, value.contiguous(), group=self.group)
+                    _all_gather()(full, value.contiguous(), group=self.group)
                     for p, offset in zip(bucket.params, bucket.offsets, strict=True):
                         piece = full[offset : offset + p.numel()].view_as(p).clone()
                         state.setdefault(names[id(p)], {})[key] = piece
@@ -257,3 +257,14 @@ def _pack(
 
 def _copy(value: Any) -> Any:
     return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _reduce_scatter() -> Any:
+    """``dist.reduce_scatter_single`` (PyTorch 2.13's name, looked up at each call: the
+    communication probe wraps it), or ``reduce_scatter_tensor`` in releases without it."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather() -> Any:
+    """``dist.all_gather_single``, or ``all_gather_into_tensor`` before PyTorch 2.13."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
