@@ -65,13 +65,15 @@ def start_error(error: BaseException, lost_a_port: bool, log: ClusterLog | None)
     """What a failed start raises: ``error`` itself for a Ctrl-C or one of ours that already
     names the log, else a :class:`ClusterStartError` (a :class:`PortRace` when the controller
     lost a port) ending with the end of the cluster's log."""
+    if isinstance(error, KeyboardInterrupt):
+        return error  # never tried again
     tail = log_tail(log)
     if lost_a_port:
         why = "" if isinstance(error, ClusterStartError) else f": {PORT_TAKEN_WHY}"
         return PortRace(f"{error}{why}\n{tail}")
     if isinstance(error, ClusterStartError) and "cluster's log" not in str(error):
         return ClusterStartError(f"{error}\n{tail}")
-    if isinstance(error, AxonError | KeyboardInterrupt):
+    if isinstance(error, AxonError):
         return error
     return ClusterStartError(f"{error}\n{tail}")
 
