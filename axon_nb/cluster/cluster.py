@@ -23,9 +23,7 @@ from axon_nb.cluster.launchers import CONTROLLER_ARGS, LAUNCHERS
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.transport import Transport
-from axon_nb.errors import (
-    AxonError,
-)
+from axon_nb.errors import AxonError
 from axon_nb.rank import entry
 
 if TYPE_CHECKING:
