@@ -126,19 +126,15 @@ def shell() -> Iterator[InteractiveShell]:
 
 
 SLOW_FIRST = (
-    "test_recovery.py", "test_train_model_parallel.py", "test_start_under_load.py",
-    "test_notebook.py", "test_relayout.py", "test_trainable_params.py", "test_hang.py",
-    "test_stop.py", "test_kernel_exit.py", "test_hf_models.py", "test_lifecycle.py",
-    "test_cluster.py", "test_checkpoint.py", "test_train_fsdp.py", "test_lab_sidebar.py",
-    "test_parallel_options.py", "test_hosts.py", "test_interrupts.py", "test_rescue.py",
-    "test_train_ddp.py", "test_expert_parallel.py", "test_train_control.py",
-    "test_pretrained_init.py", "test_magics.py", "test_predict.py", "test_notebook_hf.py",
-    "test_lab_registry.py", "test_browser.py", "test_group_release.py", "test_predictions.py",
+    "test_recovery.py", "test_train_model_parallel.py", "test_relayout.py",
+    "test_start_under_load.py", "test_hosts.py", "test_notebook.py", "test_hang.py",
+    "test_stop.py", "test_train_fsdp.py", "test_kernel_exit.py", "test_lifecycle.py",
+    "test_interrupts.py", "test_checkpoint.py", "test_train_ddp.py", "test_hf_models.py",
+    "test_predictions.py", "test_rescue.py",
 )  # fmt: skip
-"""The files of 15 s or more in a full run (a per-test timeline, 2026-11-26), started first and
-longest first, so that the last files handed out are short and both workers end together:
-`make test` hands whole files to two workers in this order (pytest-xdist's loadfile with
---no-loadscope-reorder). A 76 s file left out of this list ran alone for the last minute."""
+"""The longest files (by `pytest --durations=0`), started first: `make test` hands whole files
+to two workers in this order (pytest-xdist's loadfile with --no-loadscope-reorder; its default
+order, most tests first, left the 150 s file of one test running alone at the end)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
