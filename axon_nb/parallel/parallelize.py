@@ -99,11 +99,6 @@ def _parallelize(
     dp_group = dims.dp_mesh(device.type).get_group() if mesh is not None else None
     coords = dims.coords(dist.get_rank() if dist.is_initialized() else 0)
     piped = dims.pp > 1
-    if piped:
-        # Imported before any layout step: imported after them (at the schedule), the first
-        # steps of a dp2 x pp2 run measured 12% more peak memory (an import-order side effect
-        # in PyTorch, not found). Runs without a pipeline never import it (0.7 s of CPU).
-        import torch.distributed.pipelining  # noqa: F401
     split = config.pipeline.split if config.pipeline is not None else None
     if piped:
         bounds, mine = pipeline.plan_stages(
