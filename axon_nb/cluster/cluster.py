@@ -120,7 +120,7 @@ class Cluster(Transport):
         self._ipp = cluster
         try:
             self._watch = WatchDir.create()
-            startup.start_controller(cluster, self.log)
+            cluster.start_controller_sync()  # a port lost meanwhile: PortRace, below
             cluster.start_engines_sync(opts.n)
             self._reaper = reaper.spawn(
                 os.getpid(),

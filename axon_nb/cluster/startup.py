@@ -35,8 +35,8 @@ chosen free, then bound a moment later, and on a busy host another process may c
 PORT_TAKEN_WHY = "a port the controller picked was taken before it bound it"
 
 CONTROLLER_ATTEMPTS = 3
-"""Starts (of the controller, or of the whole cluster when the controller lost a port after it
-had started) before a taken port fails the start."""
+"""Tries of a whole start (new controller ports each time) before a taken port fails it, lost
+before or after the controller wrote its connection file."""
 
 CONNECT_TRY_S = 2.0
 """How long one connection attempt waits for the controller's answer before the start checks
@@ -124,20 +124,6 @@ def connect_client(cluster: ipp.Cluster, timeout: float) -> ipp.Client:
                 raise ClusterStartError(
                     f"the controller did not answer within {timeout:.0f} s"
                 ) from None
-
-
-def start_controller(cluster: ipp.Cluster, log: ClusterLog | None) -> None:
-    """Start ``cluster``'s controller; again (with new ports) when one it picked was taken
-    meanwhile, up to ``CONTROLLER_ATTEMPTS`` times."""
-    for attempt in range(1, CONTROLLER_ATTEMPTS + 1):
-        try:
-            cluster.start_controller_sync()
-            return
-        except Exception:
-            taken = log is not None and log.tail(400).count(PORT_TAKEN) >= attempt
-            if not taken or attempt == CONTROLLER_ATTEMPTS:
-                raise
-            cluster.stop_controller_sync()  # (ipyparallel starts no second one before)
 
 
 def wait_for_engines(
