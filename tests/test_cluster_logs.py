@@ -50,3 +50,25 @@ def test_logs_of_running_clusters_are_never_pruned(
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_log_removed_by_another_kernel_while_pruning_does_not_fail_the_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every kernel that starts a cluster prunes the same directory, so a log listed by one can
+    be removed by another before the first reads its age (seen in CI: a start failed with
+    FileNotFoundError from ``stat``). A link to a file that is gone is such a log: listed, but
+    without an age."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
+    monkeypatch.setattr(logs, "KEEP", 1)
+    directory = logs.log_dir()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    dead = int(ended.stdout)
+    gone = directory / f"cluster-20261126-000000-{dead}-1.log"
+    gone.symlink_to(directory / "removed-by-another-kernel.log")
+    old = _log_of(directory, dead, 100)
+    created = logs.ClusterLog.create()
+    created.close()
+    assert created.path.exists()
+    assert not old.exists()  # pruning went on past the vanished one

@@ -93,9 +93,9 @@ def _prune(directory: Path) -> None:
     """Remove the oldest logs beyond ``KEEP - 1`` that belong to no running cluster. (An idle
     cluster writes nothing, so the oldest file may be the log of one still running: removed,
     its errors would name a file that is gone.)"""
-    logs = sorted(directory.glob("cluster-*.log"), key=lambda p: p.stat().st_mtime)
+    logs = sorted(_by_age(directory))
     excess = len(logs) - KEEP + 1
-    for old in logs:
+    for _, old in logs:
         if excess <= 0:
             break
         if _may_still_run(old):
@@ -103,6 +103,19 @@ def _prune(directory: Path) -> None:
         with contextlib.suppress(OSError):
             old.unlink()
         excess -= 1
+
+
+def _by_age(directory: Path) -> list[tuple[float, Path]]:
+    """Each log with its modification time. Other processes prune the same directory (every
+    kernel that starts a cluster does), so a file listed here may be gone before its ``stat``;
+    such a file is skipped."""
+    found = []
+    for path in directory.glob("cluster-*.log"):
+        try:
+            found.append((path.stat().st_mtime, path))
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def _may_still_run(path: Path) -> bool:
