@@ -6,7 +6,9 @@ import atexit
 import dataclasses
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +31,13 @@ os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
     prefix=f"axon-nb-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"
 )
 atexit.register(shutil.rmtree, os.environ["JUPYTER_RUNTIME_DIR"], ignore_errors=True)
+# The Ctrl-C tests send this process SIGINT, as Jupyter does to a kernel. A suite started in the
+# background by a non-interactive shell (`make test &` in a script) inherits SIGINT ignored,
+# Python then installs no handler, and each of those tests waited out its timeout.
+if threading.current_thread() is threading.main_thread() and (
+    signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+):
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class ClusterPool:

@@ -171,8 +171,10 @@ def test_a_controller_that_lost_a_port_fails_the_start_at_once(monkeypatch) -> N
 
 
 def test_a_start_whose_controller_lost_a_port_is_tried_again(monkeypatch) -> None:
+    from axon_nb.cluster import cluster as cluster_module
     from axon_nb.cluster import startup
 
+    own_ports = cluster_module.CONTROLLER_ARGS
     held = _hold_a_port_the_controller_binds_late(monkeypatch)
     seen = startup.port_was_taken
     tries = []
@@ -180,7 +182,10 @@ def test_a_start_whose_controller_lost_a_port_is_tried_again(monkeypatch) -> Non
     def free_the_port_once_it_was_lost(*args: object) -> bool:
         taken = seen(*args)  # type: ignore[arg-type]
         tries.append(taken)
-        held.close()  # the next try finds it free
+        held.close()
+        # The next try picks new ports, as a real one does: the ports pinned for the first
+        # try were free when probed, and another test's start may have one of them by now.
+        monkeypatch.setattr(cluster_module, "CONTROLLER_ARGS", own_ports)
         return taken
 
     monkeypatch.setattr(startup, "port_was_taken", free_the_port_once_it_was_lost)
