@@ -22,15 +22,19 @@ def _log_of(directory: Path, pid: int, age_s: int) -> Path:
     return path
 
 
+def _pid_of_an_ended_process() -> int:
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    return int(ended.stdout)
+
+
 def test_logs_of_running_clusters_are_never_pruned(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.setattr(logs, "KEEP", 3)
     directory = logs.log_dir()
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                           capture_output=True, text=True, check=True)  # fmt: skip
-    dead = int(ended.stdout)
+    dead = _pid_of_an_ended_process()
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         running = logs.ClusterLog.create()  # this process's, not stopped: the oldest of all
@@ -62,9 +66,7 @@ def test_a_log_removed_by_another_kernel_while_pruning_does_not_fail_the_start(
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))
     monkeypatch.setattr(logs, "KEEP", 1)
     directory = logs.log_dir()
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                           capture_output=True, text=True, check=True)  # fmt: skip
-    dead = int(ended.stdout)
+    dead = _pid_of_an_ended_process()
     gone = directory / f"cluster-20261126-000000-{dead}-1.log"
     gone.symlink_to(directory / "removed-by-another-kernel.log")
     old = _log_of(directory, dead, 100)
