@@ -28,23 +28,30 @@ from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 def kill_a_rank_at(cluster: axon_nb.Cluster, step: int, rank: int) -> dict[str, float]:
     """From a thread: SIGKILL ``rank`` once the next ``train`` call has streamed ``step``.
     Fills the returned dict with ``killed_at`` and (once training runs again) ``resumed_at``
-    (``time.monotonic()``)."""
+    (``time.monotonic()``), or with ``missed`` when that call ended before ``step`` was seen:
+    the kill never lands in a later call."""
     times: dict[str, float] = {}
     first = cluster.last_run
 
     def watch() -> None:
         deadline = time.monotonic() + 600
-        killed_run = None
+        target = killed_run = None
         while time.monotonic() < deadline:
             run = cluster.last_run
-            if run is None or run is first or run.done:
+            if run is None or run is first:
                 time.sleep(0.01)
                 continue
-            steps = [m["step"] for m in run.latest.values()]
-            if killed_run is None and steps and min(steps) >= step:
-                os.kill(cluster.ranks[rank]["pid"], signal.SIGKILL)
-                times["killed_at"], killed_run = time.monotonic(), run
-            elif killed_run is not None and run is not killed_run and run.history:
+            if target is None:
+                target = run
+            if killed_run is None:
+                steps = [m["step"] for m in target.latest.values()]
+                if steps and min(steps) >= step:
+                    os.kill(cluster.ranks[rank]["pid"], signal.SIGKILL)
+                    times["killed_at"], killed_run = time.monotonic(), target
+                elif target.done:
+                    times["missed"] = time.monotonic()
+                    return
+            elif run is not killed_run and run.history:
                 times["resumed_at"] = time.monotonic()
                 return
             time.sleep(0.01)
@@ -77,6 +84,8 @@ def main() -> None:
         result = cluster.train(
             **train, checkpoint_dir=f"{tmp}/killed", checkpoint_every=args.every, max_restarts=1
         )
+        if "missed" in times:
+            raise SystemExit(f"the run ended before step {kill_step} was seen: no rank was killed")
         restart = result.restarts[0]
         print(
             f"killed rank {victim} at step {restart['failed_at_step']}: training again after "

@@ -6,9 +6,11 @@ from __future__ import annotations
 import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import psutil
 import pytest
 import torch
 from equivalence import full_params
@@ -59,6 +61,14 @@ def test_periodic_checkpoints_are_kept_and_resume_exactly(
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
 
 
+def _lm_loss_at_most_40_steps_a_second(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """lm_loss, the same figures, but a step takes at least 25 ms: a 2-rank run of this model
+    takes about 0.5 s for its 24 steps, and under load the killer, which sees the steps
+    through the stream, saw its step too late (the run ended first, a miss)."""
+    time.sleep(0.025)
+    return lm_loss(output, target)
+
+
 LAYOUTS = [
     (DDP(), 2),
     (FSDP(), 2),
@@ -78,15 +88,16 @@ def test_a_killed_rank_is_recovered_and_the_run_ends_as_if_never_killed(
     cluster = cluster_pool.get(ranks)  # recovered, it goes back to the pool as good as new
     whole = cluster.train(**args)
     expected = cluster.run(full_params, stream=False)[0]
-    kill_a_rank_at(cluster, kill_step, victim)
+    killer = kill_a_rank_at(cluster, kill_step, victim)
     result = cluster.train(
-        **args,
+        **{**args, "loss": _lm_loss_at_most_40_steps_a_second},
         checkpoint_dir=tmp_path,
         checkpoint_every=4,
         keep=2,
         max_restarts=2,
         metrics_interval_s=0.05,  # the killer sees the steps soon enough to land mid-run
     )
+    assert "missed" not in killer, f"the run ended before step {kill_step} was seen"
     assert len(result.restarts) == 1, result.restarts
     restart = result.restarts[0]
     failed, resumed = restart["failed_at_step"], restart["resumed_from"]
@@ -98,6 +109,22 @@ def test_a_killed_rank_is_recovered_and_the_run_ends_as_if_never_killed(
     assert result.losses == whole.losses  # bit for bit
     recovered = cluster.run(full_params, stream=False)[0]
     assert all(torch.equal(recovered[k], expected[k]) for k in expected)
+
+
+def test_a_kill_that_missed_its_run_never_lands_in_a_later_one(cluster: axon_nb.Cluster) -> None:
+    """The killer above watches the next ``train`` call only: once (under load) a kill meant
+    for one test's run landed in the next test's run and broke the cluster for every test
+    after it."""
+    pids = [r["pid"] for r in cluster.ranks]
+    killer = kill_a_rank_at(cluster, 3, 1)
+    cluster.train(**{**ARGS, "steps": 2})  # ends before step 3
+    deadline = time.monotonic() + 30
+    while "missed" not in killer and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "missed" in killer
+    cluster.train(**{**ARGS, "steps": 6})  # reaches step 3: nothing is killed
+    assert [r["pid"] for r in cluster.ranks] == pids
+    assert all(psutil.pid_exists(pid) for pid in pids)
 
 
 def test_bad_checkpoint_options_are_refused(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
