@@ -34,9 +34,7 @@ class PeakTracker(TorchDispatchMode):
         super().__init__()
         self.current = 0
         self.peak = 0
-        self._live: dict[int, tuple[int, weakref.ref[Any], int]] = {}
-        """data_ptr -> (bytes, the storage, serial of this entry)"""
-        self._serial = 0
+        self._live: dict[int, int] = {}
         self._active = True
 
     def __torch_dispatch__(
@@ -59,23 +57,13 @@ class PeakTracker(TorchDispatchMode):
             key = storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # no real storage (a wrapper subclass)
             return
-        if key == 0:  # empty
+        if key == 0 or key in self._live:  # empty, or an in-place result / view
             return
-        seen = self._live.get(key)
-        if seen is not None:
-            if seen[1]() is storage:  # an in-place result, or a view
-                return
-            # Another storage at a counted address: the counted one gave its memory back
-            # without dying (FSDP frees a gathered parameter with ``resize_(0)``).
-            self._release(key, seen[2])
-        self._serial += 1
-        self._live[key] = (storage.nbytes(), weakref.ref(storage), self._serial)
+        self._live[key] = storage.nbytes()
         self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
-        weakref.finalize(storage, self._release, key, self._serial)
+        weakref.finalize(storage, self._release, key)
 
-    def _release(self, key: int, serial: int) -> None:
-        seen = self._live.get(key)
-        if self._active and seen is not None and seen[2] == serial:
-            del self._live[key]
-            self.current -= seen[0]
+    def _release(self, key: int) -> None:
+        if self._active:
+            self.current -= self._live.pop(key, 0)
