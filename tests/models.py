@@ -56,6 +56,36 @@ def mse_failing_at(step: int, rank: int):
     return loss
 
 
+def mse_holding_iopub_at(step: int, seconds: float):
+    """``mse``, except that the ``step``-th call holds the engine's IOPub thread for ``seconds``
+    and lets the engine's reply go without waiting for it: what the rank publishes from then
+    on reaches the kernel after its result, as it does on a loaded machine, where the
+    controller relays the two on separate threads."""
+    calls = {"n": 0}
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        import sys
+        import time
+
+        from IPython import get_ipython
+
+        calls["n"] += 1
+        if calls["n"] == step:
+            # ipykernel's streams wait up to ``flush_timeout`` for the IOPub thread before the
+            # reply is sent; waiting less lets the reply overtake the held publications.
+            waited = sys.stdout.flush_timeout
+            sys.stdout.flush_timeout = sys.stderr.flush_timeout = 0.1
+
+            def hold() -> None:
+                time.sleep(seconds)
+                sys.stdout.flush_timeout = sys.stderr.flush_timeout = waited
+
+            get_ipython().kernel.iopub_socket.schedule(hold)
+        return mse(output, target)
+
+    return loss
+
+
 class Stream(torch.utils.data.IterableDataset):
     """``n`` regression pairs read as a stream (the same items each time it is read)."""
 

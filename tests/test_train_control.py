@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from models import failing_on_rank, make_data, make_mlp, mse, mse_failing_at
+from models import (
+    failing_on_rank,
+    make_data,
+    make_mlp,
+    mse,
+    mse_failing_at,
+    mse_holding_iopub_at,
+)
 
 import axon_nb
 from axon_nb.metrics.stream import SCHEMA
@@ -188,3 +195,19 @@ def test_the_dashboard_follows_a_real_run_and_shows_a_failed_rank(cluster: axon_
         time.sleep(0.05)  # the monitor thread delivers the end of the run
     ranks = {r["rank"]: r for r in cluster.last_run.dashboard.ranks}
     assert ranks[1]["status"] == "failed" and "loss diverged" in ranks[1]["error"]
+
+
+def test_the_dashboard_ends_with_each_rank_status_when_it_trails_the_result(
+    cluster: axon_nb.Cluster,
+) -> None:
+    """A rank's last publication (its final status) leaves on the engine's IOPub thread, its
+    result on the shell socket; on a loaded machine the result comes first. The dashboard
+    froze at that moment with the ranks "running" (the Notebook 7 browser test then waited in
+    vain for "stopped"). Here the IOPub thread is held from the last step on."""
+    steps = 12
+    args = {**ARGS, "loss": mse_holding_iopub_at(steps, seconds=2.0)}
+    result = cluster.train(**args, steps=steps, metrics_interval_s=0.1, name="trailing")
+    dashboard = result.dashboard
+    assert dashboard.frozen
+    assert [r["status"] for r in dashboard.ranks] == ["finished", "finished"]
+    assert dashboard.progress["step"] == result.step == steps

@@ -24,6 +24,9 @@ MONITOR_S = 0.1
 """How often the kernel-side monitor thread reads the ranks' metrics stream."""
 SOFT_STOP_S = 120.0
 """After Ctrl-C or ``stop()``, how long ranks get to reach the next step boundary."""
+LAST_PUBLICATION_S = 10.0
+"""Once a rank's result is in, how long its last publication (its final status) may trail it:
+the publication goes out on the engine's IOPub thread, the result on its shell socket."""
 
 
 class MetricsListener(Protocol):
@@ -155,6 +158,7 @@ class TrainHandle:
             if self._hang is not None:
                 self._check_hang()
             time.sleep(MONITOR_S)
+        self._wait_for_last_publications()
         self.poll()
         self._clear_hang(self._steps())
         failures = {
@@ -166,6 +170,18 @@ class TrainHandle:
             self._ended = failures
             for listener in self._listeners:
                 listener.done(failures)
+
+    def _wait_for_last_publications(self) -> None:
+        """Wait until the finished ranks' last publications are in (ipyparallel's output of a
+        call ends with its data): read before them, the dashboard froze with a rank "running"
+        whose result said "stopped". A rank that failed is shown failed from its error."""
+        end = time.monotonic() + LAST_PUBLICATION_S
+        for part in self._parts.values():
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            if part.ready() and part.successful():
+                part.wait_for_output(left)
 
     def _steps(self) -> tuple[tuple[int, int], ...]:
         with self._lock:
@@ -240,7 +256,7 @@ class TrainHandle:
                 raise
             finally:
                 # The monitor's last read and the dashboard's final state come before the result.
-                self._monitor.join(timeout=MONITOR_S * 50)
+                self._monitor.join(timeout=LAST_PUBLICATION_S + MONITOR_S * 50)
             self._result = build_result(
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
             )
