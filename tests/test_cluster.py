@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from helpers import engine_pids, wait_gone
@@ -209,27 +210,37 @@ def test_a_rank_killed_between_calls_is_named_at_the_next_call(cluster: axon_nb.
     assert {o["sum"] for o in cluster.run(_world)} == {3.0}
 
 
-def _peer_fails_first_then_rank_1_dies() -> None:
-    """Rank 1 closes its connections (rank 0's all-reduce fails at once), then dies a moment
-    later: the death is the cause, though rank 0's error arrives first."""
+def _peer_fails_first_then_rank_1_dies(marker: str) -> None:
+    """Rank 1 closes its connections (rank 0's all-reduce fails), waits until rank 0 is raising
+    its error (``marker`` appears), then dies a moment later: the death is the cause, though
+    rank 0's error arrives first. (A fixed wait let a slow rank 0 raise after the death.)"""
     import signal
     import time
+    from pathlib import Path
 
     import torch
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
         dist.destroy_process_group()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 60
+        while not Path(marker).exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)  # for rank 0's error to reach the kernel
         os.kill(os.getpid(), signal.SIGKILL)
-    dist.all_reduce(torch.ones(1))
+    try:
+        dist.all_reduce(torch.ones(1))
+    except Exception:
+        Path(marker).touch()
+        raise
 
 
 def test_a_death_is_reported_as_the_cause_even_when_a_peers_error_comes_first(
-    cluster: axon_nb.Cluster,
+    cluster: axon_nb.Cluster, tmp_path: Path
 ) -> None:
+    marker = str(tmp_path / "rank-0-raised")
     with pytest.raises(axon_nb.RankDiedError, match="rank 1 died while running") as info:
-        cluster.run(_peer_fails_first_then_rank_1_dies)
+        cluster.run(_peer_fails_first_then_rank_1_dies, marker)
     assert info.value.failed_ranks[0] == 0  # rank 0's error came in first
     with pytest.raises(axon_nb.ClusterBrokenError, match="rank 1 died"):
         cluster.run(_world)  # the world is known to be broken
