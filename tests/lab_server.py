@@ -79,7 +79,13 @@ def notebook_page(
         )
         if lab:  # (Notebook 7's first toolbar is a hidden side panel's)
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-Toolbar", timeout=60_000)
-        time.sleep(settle_s)  # let the kernel connect
+        # The kernel is up and idle: a command sent before may find no kernel to run on.
+        page.wait_for_function(
+            "window.jupyterapp.shell.currentWidget?.sessionContext?.session?.kernel?.status"
+            " === 'idle'",
+            timeout=max(ready_ms, 60_000),
+        )
+        time.sleep(settle_s)  # (and its comms, the widgets' among them, are open)
         yield page
     finally:
         command(page, "kernelmenu:shutdown")

@@ -57,7 +57,13 @@ def _watch_and_interrupt(page: Any) -> None:
     )
     first = int(step.get_attribute("data-step"))
     first_points = _points(page)
-    time.sleep(3)
+    page.wait_for_function(  # (the widget redraws at most twice a second, later under load)
+        f"Number(document.querySelector('.axon-progress-text').dataset.step) > {first}",
+        timeout=60_000,
+    )
+    deadline = time.monotonic() + 60
+    while _points(page) <= first_points and time.monotonic() < deadline:
+        time.sleep(0.2)
     later = int(step.get_attribute("data-step"))
     assert later > first, "the step counter did not advance"
     assert _points(page) > first_points, "the loss chart did not advance"

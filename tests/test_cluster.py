@@ -109,32 +109,46 @@ def test_ctrl_c_interrupts_all_ranks_and_the_world_stays_usable(
     assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
 
 
-def _one_rank_a_collective_ahead() -> None:
+def _one_rank_a_collective_ahead(ready: str) -> None:
     """Rank 3 issues an all-reduce no peer matches (as when Ctrl-C stopped the others just
-    before they issued theirs), then every rank waits for the interrupt."""
+    before they issued theirs), then every rank says so (a file ``ready``-rank) and waits for
+    the interrupt."""
     import torch
     import torch.distributed as dist
 
     if dist.get_rank() == 3:
         dist.all_reduce(torch.ones(1024), async_op=True)
+    Path(f"{ready}-{dist.get_rank()}").touch()
     time.sleep(60)
 
 
+def _ctrl_c_when_all_exist(paths: list[Path]) -> None:
+    """In a thread: Ctrl-C (SIGINT to this process) once every path exists (60 s at most)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def test_ctrl_c_after_ranks_issued_different_collectives_re_forms_the_world(
-    cluster4: axon_nb.Cluster, capfd: pytest.CaptureFixture[str]
+    cluster4: axon_nb.Cluster, capfd: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """Without the re-forming, the next all-reduce pairs with rank 3's stale one: gloo aborts
     the rank ("Received data size doesn't match")."""
-    timer = threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    ready = tmp_path / "ready"
+    _ctrl_c_when_all_exist([Path(f"{ready}-{r}") for r in range(4)])
     with pytest.raises(KeyboardInterrupt):
-        cluster4.run(_one_rank_a_collective_ahead)
+        cluster4.run(_one_rank_a_collective_ahead, str(ready))
     assert "the process group was re-formed" in capfd.readouterr().err
     assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
 
 
 def test_a_second_ctrl_c_while_the_world_re_forms_waits_for_it(
-    cluster4: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch
+    cluster4: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The fuzz's one failure in 200 (seed 13): the second of a quick pair of interrupts
     landed while the ranks were joining the new group, and left them with none."""
@@ -147,9 +161,10 @@ def test_a_second_ctrl_c_while_the_world_re_forms_waits_for_it(
         reform(self)
 
     monkeypatch.setattr(Transport, "_reform_world", interrupted_reform)
-    threading.Timer(3.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    ready = tmp_path / "ready"
+    _ctrl_c_when_all_exist([Path(f"{ready}-{r}") for r in range(4)])
     with pytest.raises(KeyboardInterrupt):
-        cluster4.run(_one_rank_a_collective_ahead)
+        cluster4.run(_one_rank_a_collective_ahead, str(ready))
     monkeypatch.undo()
     assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
 
@@ -210,37 +225,41 @@ def test_a_rank_killed_between_calls_is_named_at_the_next_call(cluster: axon_nb.
     assert {o["sum"] for o in cluster.run(_world)} == {3.0}
 
 
-def _peer_fails_first_then_rank_1_dies(marker: str) -> None:
-    """Rank 1 closes its connections (rank 0's all-reduce fails), waits until rank 0 is raising
-    its error (``marker`` appears), then dies a moment later: the death is the cause, though
-    rank 0's error arrives first. (A fixed wait let a slow rank 0 raise after the death.)"""
+def _peer_fails_first_then_rank_1_dies(seen: str) -> None:
+    """Rank 0 raises what gloo raises when a peer left ("Connection closed by peer"); rank 1
+    dies once the kernel has that error (``seen`` appears): the death is the cause, though
+    rank 0's error arrived first. (Rank 1 used to close its connections and die 0.5 s later;
+    rank 0's all-reduce then sometimes waited instead of failing, and the death came first.)"""
     import signal
     import time
     from pathlib import Path
 
-    import torch
     import torch.distributed as dist
 
-    if dist.get_rank() == 1:
-        dist.destroy_process_group()
-        deadline = time.monotonic() + 60
-        while not Path(marker).exists() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.5)  # for rank 0's error to reach the kernel
-        os.kill(os.getpid(), signal.SIGKILL)
-    try:
-        dist.all_reduce(torch.ones(1))
-    except Exception:
-        Path(marker).touch()
-        raise
+    if dist.get_rank() == 0:
+        raise ConnectionError("Connection closed by peer [127.0.0.1]:12345")
+    deadline = time.monotonic() + 60
+    while not Path(seen).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_death_is_reported_as_the_cause_even_when_a_peers_error_comes_first(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    cluster: axon_nb.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    marker = str(tmp_path / "rank-0-raised")
+    from axon_nb.cluster import waiting
+
+    seen = tmp_path / "kernel-has-rank-0s-error"
+    settle = waiting._settle_after_failure
+
+    def settle_once_seen(*args: object) -> str:
+        seen.touch()  # the kernel waits for the others after the first failure it got
+        return settle(*args)
+
+    monkeypatch.setattr(waiting, "_settle_after_failure", settle_once_seen)
     with pytest.raises(axon_nb.RankDiedError, match="rank 1 died while running") as info:
-        cluster.run(_peer_fails_first_then_rank_1_dies, marker)
+        cluster.run(_peer_fails_first_then_rank_1_dies, str(seen))
+    monkeypatch.undo()
     assert info.value.failed_ranks[0] == 0  # rank 0's error came in first
     with pytest.raises(axon_nb.ClusterBrokenError, match="rank 1 died"):
         cluster.run(_world)  # the world is known to be broken

@@ -56,12 +56,14 @@ def mse_late_on_rank1(step: int, seconds: float):
 
 
 def _stacks_when_waiting(cluster: axon_nb.Cluster, seconds: float = 20) -> StackReport:
-    """The first report in which rank 0 waits in a collective."""
+    """The first report in which rank 0 waits in a collective and rank 1 is in ``stuck_here``
+    (on a loaded machine rank 1 may get there after rank 0 waits)."""
     deadline = time.monotonic() + seconds
     while True:
         report = cluster.stacks()
         collective = report.ranks[0].collective
-        if (collective is not None and collective.waiting) or time.monotonic() > deadline:
+        waiting = collective is not None and collective.waiting
+        if (waiting and "stuck_here" in report.stacks.get(1, "")) or time.monotonic() > deadline:
             return report
         time.sleep(0.2)
 
@@ -135,8 +137,12 @@ def test_a_rank_holding_the_gil_in_c_is_shown_from_its_native_dump(
 ) -> None:
     _import_this_module_on_the_ranks(cluster)
     ar = cluster.view([1]).apply_async(hold_the_gil)
-    time.sleep(1.0)
-    report = cluster.stacks(timeout=1.0)
+    deadline = time.monotonic() + 30
+    while True:  # until rank 1 is inside the regex (it answers before it gets there)
+        report = cluster.stacks(timeout=2.0)
+        if report.missing == (1,) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert report.missing == (1,)
     assert "rank 1 did not answer" in str(report)
     assert "test_hang.py" in str(report) and "in hold_the_gil" in str(report)

@@ -25,6 +25,17 @@ def _run(kc, code: str, timeout: float = 120) -> tuple[str, str]:
     return _reply(kc, msg_id, timeout)["content"]["status"], "".join(text)
 
 
+def _wait_for_text(kc, msg_id: str, text: str, timeout: float) -> None:
+    """Read the output of request ``msg_id`` until ``text`` appears in it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = kc.get_iopub_msg(timeout=max(deadline - time.monotonic(), 0.1))
+        if msg["parent_header"].get("msg_id") != msg_id or msg["msg_type"] != "stream":
+            continue
+        if text in msg["content"]["text"]:
+            return
+
+
 def _reply(kc, msg_id: str, timeout: float) -> dict:
     """The shell reply to ``msg_id`` (skipping replies to earlier requests, such as the
     kernel_info request made while the kernel started)."""
@@ -38,11 +49,14 @@ def test_kernel_interrupt_stops_the_ranks_and_keeps_the_cluster() -> None:
     km, kc = start_new_kernel(kernel_name="python3")
     try:
         assert _run(kc, "%load_ext axon_nb\n%axon_cluster 2 --timeout 60")[0] == "ok"
-        loop = "%%axon\nimport torch, torch.distributed as dist\nwhile True:\n    time_ = 0\n"
+        loop = (
+            "%%axon\nimport torch, torch.distributed as dist\nprint('looping', flush=True)\n"
+            "while True:\n    time_ = 0\n"
+        )
         # (not stop_on_error: ipykernel 7 would abort the next request if it came before the
         # kernel's own "stop aborting" message, which a loaded machine can delay)
         msg_id = kc.execute(loop, stop_on_error=False)
-        time.sleep(3)
+        _wait_for_text(kc, msg_id, "looping", timeout=60)  # the cell runs on the ranks
         km.interrupt_kernel()
         reply = _reply(kc, msg_id, timeout=60)
         assert reply["content"]["status"] == "error"

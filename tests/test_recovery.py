@@ -61,12 +61,19 @@ def test_periodic_checkpoints_are_kept_and_resume_exactly(
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
 
 
-def _lm_loss_at_most_40_steps_a_second(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """lm_loss, the same figures, but a step takes at least 25 ms: a 2-rank run of this model
-    takes about 0.5 s for its 24 steps, and under load the killer, which sees the steps
-    through the stream, saw its step too late (the run ended first, a miss)."""
-    time.sleep(0.025)
-    return lm_loss(output, target)
+def _paced_lm_loss(slower_from: int):
+    """lm_loss, the same figures, but a step takes at least 25 ms, and 100 ms from the
+    ``slower_from``-th call on: the killer sees the steps through the stream, and under load
+    it saw its step too late (the run ended first, a miss). A 2-rank run of this model takes
+    about 0.5 s for its 24 steps unpaced."""
+    calls = {"n": 0}
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        time.sleep(0.1 if calls["n"] >= slower_from else 0.025)
+        return lm_loss(output, target)
+
+    return loss
 
 
 LAYOUTS = [
@@ -90,7 +97,7 @@ def test_a_killed_rank_is_recovered_and_the_run_ends_as_if_never_killed(
     expected = cluster.run(full_params, stream=False)[0]
     killer = kill_a_rank_at(cluster, kill_step, victim)
     result = cluster.train(
-        **{**args, "loss": _lm_loss_at_most_40_steps_a_second},
+        **{**args, "loss": _paced_lm_loss(kill_step)},
         checkpoint_dir=tmp_path,
         checkpoint_every=4,
         keep=2,
@@ -152,6 +159,10 @@ def _rank_3_of_4_dies_at_its_7th_step(output: torch.Tensor, target: torch.Tensor
     calls = int(os.environ.get("AXON_TEST_LOSS_CALLS", "0")) + 1
     os.environ["AXON_TEST_LOSS_CALLS"] = str(calls)  # (fresh engines start from 0)
     if dist.get_world_size() == 4 and dist.get_rank() == 3 and calls == 7:
+        # What the ranks streamed reaches the kernel before the death does (the peers wait in
+        # this step's collective meanwhile): flushing waits for this engine's IOPub queue.
+        sys.stdout.flush()
+        time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
     return lm_loss(output, target)
 

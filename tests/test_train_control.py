@@ -84,15 +84,26 @@ def test_stop_leaves_ranks_in_step_and_resume_continues_exactly(cluster: axon_nb
         assert torch.allclose(params[k], v, atol=1e-5), k
 
 
+def _ctrl_c_once_stepping(cluster: axon_nb.Cluster, name: str, stop: threading.Event) -> None:
+    """Ctrl-C (SIGINT to this process, as Jupyter sends it) once run ``name`` made a step."""
+    deadline = time.monotonic() + 60
+    while not stop.is_set() and time.monotonic() < deadline:
+        run = cluster.last_run
+        if run is not None and run.name == name and run.history:
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        time.sleep(0.05)
+
+
 def test_ctrl_c_stops_every_rank_at_one_step_and_keeps_the_model(cluster: axon_nb.Cluster) -> None:
-    timer = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    stop = threading.Event()
+    threading.Thread(target=_ctrl_c_once_stepping, args=(cluster, "interrupted", stop)).start()
     try:
         result = cluster.train(**ARGS, steps=LONG, name="interrupted")
     except KeyboardInterrupt:  # (escaping, it would end this pytest worker)
         pytest.fail("Ctrl-C during train raised instead of stopping the run at a step")
     finally:
-        timer.cancel()
+        stop.set()
     assert result.stopped and 0 < result.steps < LONG
     states = cluster.run(_state, "interrupted")
     assert [s["step"] for s in states] == [result.step] * 2
@@ -115,7 +126,9 @@ def test_metrics_stream_follows_the_documented_schema(cluster: axon_nb.Cluster) 
     while not handle.done:
         seen |= {m["status"] for m in handle.latest.values()}
         time.sleep(0.05)
-    time.sleep(0.3)  # the monitor thread's last read
+    deadline = time.monotonic() + 30
+    while not handle.dashboard.frozen and time.monotonic() < deadline:
+        time.sleep(0.05)  # the monitor thread's last read (it freezes the dashboard)
     streamed = handle.history  # from the stream: wait() has not been called
     latest = handle.latest
     result = handle.wait()
