@@ -192,3 +192,32 @@ def test_a_start_whose_controller_lost_a_port_is_tried_again(monkeypatch) -> Non
     with axon_nb.Cluster(n=2, start_timeout=120) as cluster:
         assert cluster.run(lambda: 1, stream=False) == [1, 1]
     assert tries == [True]  # the first try lost the port; the second started
+
+
+def test_a_traceback_still_being_written_is_read_to_its_end(tmp_path) -> None:
+    """Seen in a full run: the start took the controller's half-written traceback for the
+    whole of it, missed the "Address already in use" line that came after, and failed instead
+    of trying again. A process writes a traceback in two parts, 1 s apart."""
+    import subprocess
+
+    from axon_nb.cluster import startup
+
+    out = tmp_path / "controller.out"
+    writer = subprocess.Popen([
+        sys.executable, "-c",
+        "import sys, time\n"
+        f"f = open({str(out)!r}, 'w')\n"
+        "f.write('Traceback (most recent call last):\\n  File \"app.py\"\\n'); f.flush()\n"
+        "time.sleep(1.0)\n"
+        f"f.write('zmq.error.ZMQError: {startup.PORT_TAKEN}\\n'); f.flush()\n",
+    ])  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while "Traceback" not in (out.read_text() if out.exists() else ""):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert startup.PORT_TAKEN not in out.read_text()  # only the first part so far
+        text = startup.settled_text(out.read_text, startup.OUTPUT_SETTLE_S * 3, 10)
+        assert startup.PORT_TAKEN in text
+    finally:
+        writer.wait(timeout=30)

@@ -101,10 +101,34 @@ def controller_failure(cluster: ipp.Cluster) -> str | None:
     return None
 
 
+OUTPUT_SETTLE_S = 0.5
+"""A failing controller's output is read once it has not grown for this long: on a busy host
+its traceback is written in parts, and the line naming the taken port comes last."""
+OUTPUT_SETTLE_MAX_S = 5.0
+"""At most this long is waited for that output to settle."""
+
+
+def settled_text(read: Callable[[], str], quiet_s: float, max_s: float) -> str:
+    """``read()`` once it returns the same text twice ``quiet_s`` apart (``max_s`` at most)."""
+    deadline = time.monotonic() + max_s
+    text = read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = read()
+        if again == text:
+            break
+        text = again
+    return text
+
+
 def port_was_taken(cluster: ipp.Cluster, log: ClusterLog | None) -> bool:
     """Whether the controller failed because a port it picked was taken meanwhile."""
+    output = controller_output(cluster)
+    if "Traceback (most recent call last)" in output and PORT_TAKEN not in output:
+        output = settled_text(lambda: controller_output(cluster), OUTPUT_SETTLE_S,
+                              OUTPUT_SETTLE_MAX_S)  # fmt: skip
     in_log = log is not None and PORT_TAKEN in log.tail(400)
-    return in_log or PORT_TAKEN in controller_output(cluster)
+    return in_log or PORT_TAKEN in output
 
 
 def connect_client(cluster: ipp.Cluster, timeout: float) -> ipp.Client:
