@@ -1,8 +1,13 @@
-"""Helpers for tests: process liveness."""
+"""Helpers for tests: process liveness, waiting for a condition, Ctrl-C at the right moment."""
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -29,3 +34,27 @@ def _alive(pid: int) -> bool:
 
 def engine_pids(cluster: axon_nb.Cluster) -> list[int]:
     return [r["pid"] for r in cluster.ranks]
+
+
+def until(check: Callable[[], Any], seconds: float = 60.0, every: float = 0.05) -> bool:
+    """Call ``check`` every ``every`` s until it is true or ``seconds`` pass; whether it was."""
+    deadline = time.monotonic() + seconds
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True
+
+
+def ctrl_c_when(check: Callable[[], Any], seconds: float = 60.0) -> threading.Event:
+    """In a thread: Ctrl-C (SIGINT to this process, as Jupyter sends it to a kernel) once
+    ``check`` is true, or after ``seconds`` at most. Setting the returned event calls it off."""
+    off = threading.Event()
+
+    def watch() -> None:
+        until(lambda: off.is_set() or check(), seconds)
+        if not off.is_set():
+            os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return off

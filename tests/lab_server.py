@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from helpers import until
+
 from axon_nb.rank.world.bootstrap import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,8 +108,5 @@ def answers(url: str) -> bool:
 
 
 def wait_for(check: Any, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {seconds:.0f} s for {what}")
-        time.sleep(0.5)
+    if not until(check, seconds, every=0.5):
+        raise TimeoutError(f"waited {seconds:.0f} s for {what}")

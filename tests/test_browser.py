@@ -8,11 +8,11 @@ extra); skipped, saying which is missing, where they are not installed.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers import until
 from lab_server import ARTIFACTS, CHROMIUM, ROOT, command, jupyter_lab, missing, notebook_page
 
 MISSING = missing()
@@ -61,9 +61,7 @@ def _watch_and_interrupt(page: Any) -> None:
         f"Number(document.querySelector('.axon-progress-text').dataset.step) > {first}",
         timeout=60_000,
     )
-    deadline = time.monotonic() + 60
-    while _points(page) <= first_points and time.monotonic() < deadline:
-        time.sleep(0.2)
+    until(lambda: _points(page) > first_points, 60, every=0.2)
     later = int(step.get_attribute("data-step"))
     assert later > first, "the step counter did not advance"
     assert _points(page) > first_points, "the loss chart did not advance"

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import engine_pids, wait_gone
+from helpers import ctrl_c_when, engine_pids, wait_gone
 
 import axon_nb
 
@@ -123,15 +123,7 @@ def _one_rank_a_collective_ahead(ready: str) -> None:
 
 
 def _ctrl_c_when_all_exist(paths: list[Path]) -> None:
-    """In a thread: Ctrl-C (SIGINT to this process) once every path exists (60 s at most)."""
-
-    def watch() -> None:
-        deadline = time.monotonic() + 60
-        while not all(p.exists() for p in paths) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        os.kill(os.getpid(), signal.SIGINT)
-
-    threading.Thread(target=watch, daemon=True).start()
+    ctrl_c_when(lambda: all(p.exists() for p in paths))
 
 
 def test_ctrl_c_after_ranks_issued_different_collectives_re_forms_the_world(

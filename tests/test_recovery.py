@@ -14,6 +14,7 @@ import psutil
 import pytest
 import torch
 from equivalence import full_params
+from helpers import until
 
 import axon_nb
 from axon_nb import DDP, FSDP, Hybrid, Pipeline, ZeRO
@@ -125,9 +126,7 @@ def test_a_kill_that_missed_its_run_never_lands_in_a_later_one(cluster: axon_nb.
     pids = [r["pid"] for r in cluster.ranks]
     killer = kill_a_rank_at(cluster, 3, 1)
     cluster.train(**{**ARGS, "steps": 2})  # ends before step 3
-    deadline = time.monotonic() + 30
-    while "missed" not in killer and time.monotonic() < deadline:
-        time.sleep(0.05)
+    until(lambda: "missed" in killer, 30)
     assert "missed" in killer
     cluster.train(**{**ARGS, "steps": 6})  # reaches step 3: nothing is killed
     assert [r["pid"] for r in cluster.ranks] == pids

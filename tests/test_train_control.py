@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from helpers import ctrl_c_when, until
 from models import (
     failing_on_rank,
     make_data,
@@ -84,20 +82,14 @@ def test_stop_leaves_ranks_in_step_and_resume_continues_exactly(cluster: axon_nb
         assert torch.allclose(params[k], v, atol=1e-5), k
 
 
-def _ctrl_c_once_stepping(cluster: axon_nb.Cluster, name: str, stop: threading.Event) -> None:
-    """Ctrl-C (SIGINT to this process, as Jupyter sends it) once run ``name`` made a step."""
-    deadline = time.monotonic() + 60
-    while not stop.is_set() and time.monotonic() < deadline:
-        run = cluster.last_run
-        if run is not None and run.name == name and run.history:
-            os.kill(os.getpid(), signal.SIGINT)
-            return
-        time.sleep(0.05)
+def _stepping(cluster: axon_nb.Cluster, name: str) -> bool:
+    """Whether run ``name`` made a step."""
+    run = cluster.last_run
+    return run is not None and run.name == name and bool(run.history)
 
 
 def test_ctrl_c_stops_every_rank_at_one_step_and_keeps_the_model(cluster: axon_nb.Cluster) -> None:
-    stop = threading.Event()
-    threading.Thread(target=_ctrl_c_once_stepping, args=(cluster, "interrupted", stop)).start()
+    stop = ctrl_c_when(lambda: _stepping(cluster, "interrupted"))
     try:
         result = cluster.train(**ARGS, steps=LONG, name="interrupted")
     except KeyboardInterrupt:  # (escaping, it would end this pytest worker)
@@ -126,9 +118,7 @@ def test_metrics_stream_follows_the_documented_schema(cluster: axon_nb.Cluster) 
     while not handle.done:
         seen |= {m["status"] for m in handle.latest.values()}
         time.sleep(0.05)
-    deadline = time.monotonic() + 30
-    while not handle.dashboard.frozen and time.monotonic() < deadline:
-        time.sleep(0.05)  # the monitor thread's last read (it freezes the dashboard)
+    until(lambda: handle.dashboard.frozen, 30)  # the monitor's last read freezes it
     streamed = handle.history  # from the stream: wait() has not been called
     latest = handle.latest
     result = handle.wait()
@@ -203,9 +193,7 @@ def test_the_dashboard_follows_a_real_run_and_shows_a_failed_rank(cluster: axon_
     failing = {**ARGS, "loss": mse_failing_at(20, 1)}
     with pytest.raises(axon_nb.RankError, match="rank 1 raised FloatingPointError"):
         cluster.train(**failing, steps=40, metrics_interval_s=0.1, name="failing")
-    deadline = time.monotonic() + 5
-    while not cluster.last_run.dashboard.frozen and time.monotonic() < deadline:
-        time.sleep(0.05)  # the monitor thread delivers the end of the run
+    until(lambda: cluster.last_run.dashboard.frozen, 5)  # the monitor delivers the run's end
     ranks = {r["rank"]: r for r in cluster.last_run.dashboard.ranks}
     assert ranks[1]["status"] == "failed" and "loss diverged" in ranks[1]["error"]
 

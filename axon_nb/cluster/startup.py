@@ -34,6 +34,9 @@ chosen free, then bound a moment later, and on a busy host another process may c
 
 PORT_TAKEN_WHY = "a port the controller picked was taken before it bound it"
 
+TRACEBACK = "Traceback (most recent call last)"
+"""What the controller's output holds once its start raised."""
+
 CONTROLLER_ATTEMPTS = 3
 """Tries of a whole start (new controller ports each time) before a taken port fails it, lost
 before or after the controller wrote its connection file."""
@@ -96,7 +99,7 @@ def controller_failure(cluster: ipp.Cluster) -> str | None:
     output = controller_output(cluster)
     if PORT_TAKEN in output:
         return PORT_TAKEN_WHY
-    if "Traceback (most recent call last)" in output:
+    if TRACEBACK in output:
         return "the controller failed while starting"
     return None
 
@@ -124,9 +127,10 @@ def settled_text(read: Callable[[], str], quiet_s: float, max_s: float) -> str:
 def port_was_taken(cluster: ipp.Cluster, log: ClusterLog | None) -> bool:
     """Whether the controller failed because a port it picked was taken meanwhile."""
     output = controller_output(cluster)
-    if "Traceback (most recent call last)" in output and PORT_TAKEN not in output:
-        output = settled_text(lambda: controller_output(cluster), OUTPUT_SETTLE_S,
-                              OUTPUT_SETTLE_MAX_S)  # fmt: skip
+    if TRACEBACK in output and PORT_TAKEN not in output:
+        output = settled_text(
+            lambda: controller_output(cluster), OUTPUT_SETTLE_S, OUTPUT_SETTLE_MAX_S
+        )
     in_log = log is not None and PORT_TAKEN in log.tail(400)
     return in_log or PORT_TAKEN in output
 

@@ -149,7 +149,7 @@ def wait_for_ranks(
                     )
                 wait_s = min(wait_s, left)
             _wait_all(parts, wait_s)
-        _wait_for_output(parts, OUTPUT_GRACE_S)
+        wait_for_output(parts, OUTPUT_GRACE_S)
     except KeyboardInterrupt:
         if soft_stop_s is None or not _soft_stop(parts, control, streams, soft_stop_s):
             _forward_interrupt(parts, control, streams)
@@ -194,7 +194,7 @@ def _wait_all(parts: dict[int, ipp.AsyncResult], seconds: float) -> None:
             return
 
 
-def _wait_for_output(parts: dict[int, ipp.AsyncResult], seconds: float) -> None:
+def wait_for_output(parts: dict[int, ipp.AsyncResult], seconds: float) -> None:
     """Wait up to ``seconds`` for the ready parts' output (it may trail their results)."""
     end = time.monotonic() + seconds
     for part in parts.values():
@@ -314,7 +314,7 @@ def _wait_until_ready(
     while True:
         _flush(streams)
         if _all_ready(parts):
-            _wait_for_output(parts, OUTPUT_GRACE_S)
+            wait_for_output(parts, OUTPUT_GRACE_S)
             _flush(streams)
             return True
         left = end - time.monotonic()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ipyparallel as ipp
 
 from axon_nb.cluster.hangs import HangWatch
-from axon_nb.cluster.waiting import describe_error, results
+from axon_nb.cluster.waiting import describe_error, results, wait_for_output
 from axon_nb.errors import RankError
 from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.result import TrainResult, build_result, merge_records
@@ -175,13 +175,8 @@ class TrainHandle:
         """Wait until the finished ranks' last publications are in (ipyparallel's output of a
         call ends with its data): read before them, the dashboard froze with a rank "running"
         whose result said "stopped". A rank that failed is shown failed from its error."""
-        end = time.monotonic() + LAST_PUBLICATION_S
-        for part in self._parts.values():
-            left = end - time.monotonic()
-            if left <= 0:
-                return
-            if part.ready() and part.successful():
-                part.wait_for_output(left)
+        finished = {r: p for r, p in self._parts.items() if p.ready() and p.successful()}
+        wait_for_output(finished, LAST_PUBLICATION_S)
 
     def _steps(self) -> tuple[tuple[int, int], ...]:
         with self._lock:
