@@ -21,7 +21,12 @@ def forget_cached_meshes() -> None:
     that PyTorch's ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` clears; that
     package is not imported: it pulls in dynamo and inductor, 0.4 s of CPU per rank), its
     cached redistribution plans and planners, and the meshes' topology records (each holds
-    its mesh, and so the mesh's process groups, for the life of the process)."""
+    its mesh, and so the mesh's process groups, for the life of the process). A rank that
+    never loaded DTensor has nothing cached, and does not load it here (1 s of CPU)."""
+    import sys
+
+    if "torch.distributed.tensor" not in sys.modules:
+        return
     import torch
     from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._collective_utils import MeshTopoInfo

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from axon_nb.models.moe import by_expert, combine
 from axon_nb.parallel.expert_plan import expert_modules
@@ -90,6 +89,8 @@ class ExpertDispatch:
 def apply_ep(model: nn.Module, ep_mesh: Any, plan: Sequence[str] | None) -> list[nn.Module]:
     """Shard the experts of every module ``plan`` names over ``ep_mesh`` (1-D) and make them
     dispatch their tokens; returns those modules."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     ep = ep_mesh.size()
     found = expert_modules(model, plan, ep)
     for module in found.values():
@@ -149,6 +150,8 @@ def _dispatching(cls: type) -> type:
 def _local_weights(module: nn.Module) -> Iterator[None]:
     """The module's DTensor parameters read as their local shards (differentiably) while its
     own forward runs: it indexes ``weight[e]`` for its local experts ``e``."""
+    from torch.distributed.tensor import DTensor
+
     saved = dict(module._parameters)
     for name, param in saved.items():
         if isinstance(param, DTensor):

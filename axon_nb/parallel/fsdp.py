@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from axon_nb.spec.parallel_config import FSDPConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -57,6 +58,8 @@ def apply_fsdp(
     layer. ``cpu_offload`` moves shards to the CPU between uses; on CPU ranks they are there
     already, so it changes nothing (and the same notebook runs on both).
     """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
     units = wrap_targets(model, config.auto_wrap, config.min_params)
     if not units and isinstance(model, nn.Sequential):
         units = [layer for layer in model if any(True for _ in layer.parameters())]

@@ -14,23 +14,20 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
 
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
 from axon_nb.parallel.optim_state import by_index, by_name, merge_groups
 from axon_nb.parallel.pipeline_plan import cannot_cut, first_input_name, has_plan, plan_layers
 from axon_nb.spec.parallel_config import PipelineConfig
 from axon_nb.spec.pipeline_stages import balanced_starts, check_starts
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 
 def pipeline_layers(model: nn.Module, split: Sequence[str] | None = None) -> list[nn.Module]:
@@ -203,6 +200,15 @@ class PipelinedModel(nn.Module):
         return self._own_loss(logits=output, labels=target, vocab_size=vocab)
 
     def _build_schedule(self, name: str, device: torch.device) -> Any:
+        # (imported here: it loads dynamo and DTensor, 1.5 s of CPU, which a rank that trains
+        # without a pipeline never needs)
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
         stages = [
             PipelineStage(part, index, self.num_stages, device, group=self.group)
             for part, index in zip(self.parts, self.stage_indices, strict=True)

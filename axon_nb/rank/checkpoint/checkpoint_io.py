@@ -15,13 +15,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from axon_nb.parallel.activation_checkpoint import canonical_name
 from axon_nb.parallel.optim_state import SAME_GROUPS, groups_problem
 from axon_nb.rank import runtime
-from axon_nb.rank.checkpoint.safe_reader import SafeReader
 from axon_nb.rank.training import trainstate
 from axon_nb.rank.training.trainstate import TrainState
 from axon_nb.spec.checkpoint_format import (
@@ -53,6 +51,8 @@ def save(name: str, target: SaveTarget) -> int:
             except Exception as e:
                 error = e
     else:
+        import torch.distributed.checkpoint as dcp  # (1 s of CPU: only where it is used)
+
         dcp.save({**tensors, "rng": rng}, checkpoint_id=target.partial)  # fails on all ranks
     agree(ctx, error, "write the checkpoint")  # every part is on disk before the marker
     if ctx.rank == 0:
@@ -72,6 +72,10 @@ def load(name: str, path: str) -> int:
     optimizer class). Nothing in it is executed: ``state.pt`` is read with
     ``weights_only=True``, a sharded checkpoint through :class:`SafeReader`.
     """
+    import torch.distributed.checkpoint as dcp  # (1 s of CPU: only where it is used)
+
+    from axon_nb.rank.checkpoint.safe_reader import SafeReader
+
     ckpt = Checkpoint.read(path)
     state = run_named(name, "load")
     ctx = runtime.context()

@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultSavePlanner
 
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint import checkpoint_io
@@ -75,6 +73,9 @@ class PeriodicCheckpoints:
         # own, so they never interleave with the training's collectives.
         self._group = _save_group() if ctx.world_size > 1 else None
         # The same layout every time: the planner caches its plans and skips re-planning.
+        # (DCP is imported here, by the runs that checkpoint: 1 s of CPU.)
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
         if ctx.rank == 0:
             os.makedirs(self.directory, mode=0o700, exist_ok=True)
@@ -120,6 +121,8 @@ class PeriodicCheckpoints:
         tensors["rng"] = {str(self.ctx.rank): torch.get_rng_state()}
         meta = checkpoint_io.describe(state, self.ctx, path, "sharded", tensors)
         os.makedirs(partial, mode=0o700, exist_ok=True)  # owner-only while written, too
+        import torch.distributed.checkpoint as dcp
+
         future = dcp.async_save(
             tensors, checkpoint_id=partial, process_group=self._group, planner=self._planner
         )
