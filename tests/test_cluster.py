@@ -285,3 +285,30 @@ def test_kernel_side_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_nanny_that_does_not_answer_does_not_hold_up_the_kernel(
+    cluster: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ctrl-C reaches the ranks through their nannies; ipyparallel's blocking send_signal
+    waited for ever for a nanny's answer, and the interrupted cell with it."""
+    import psutil
+
+    from axon_nb.cluster import control
+
+    monkeypatch.setattr(control, "SIGNAL_REPLY_S", 2.0, raising=False)
+    nannies = [
+        p for p in psutil.Process().children(recursive=True)
+        if "ipyparallel.engine.nanny" in " ".join(p.cmdline())
+        and p.parent() is not None and p.parent().pid in set(engine_pids(cluster))
+    ]  # fmt: skip
+    assert len(nannies) == 2
+    nannies[0].suspend()
+    try:
+        started = time.monotonic()
+        control.Control(cluster.client, [0, 1]).signal([0, 1], signal.SIGCONT)
+        assert time.monotonic() - started < 10
+    finally:
+        nannies[0].resume()
+    assert f"did not confirm signal {int(signal.SIGCONT)} within 2 s" in capsys.readouterr().err
+    assert {o["sum"] for o in cluster.run(_world)} == {3.0}

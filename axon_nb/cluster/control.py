@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import signal
 import sys
@@ -15,6 +16,11 @@ from axon_nb.rank import entry
 
 if TYPE_CHECKING:
     from axon_nb.cluster.stacks import StackReport
+
+
+SIGNAL_REPLY_S = 10.0
+"""How long the ranks' nannies get to confirm a signal before the kernel goes on without
+their answer (ipyparallel's blocking ``send_signal`` waits for it for ever)."""
 
 
 class Control:
@@ -52,7 +58,18 @@ class Control:
         if not ranks:
             return
         try:  # through the engines' nannies, so it works for any launcher and host
-            self.client.send_signal(sig, targets=ranks, block=True)
+            replies = self.client.send_signal(sig, targets=ranks, block=False)
+            failed = [
+                m["content"] for m in replies.result(timeout=SIGNAL_REPLY_S)
+                if m["content"]["status"] != "ok"
+            ]  # fmt: skip
+            if failed:
+                raise self.client._unwrap_exception(failed[0])
+        except concurrent.futures.TimeoutError:  # a silent nanny must not hold up the kernel
+            print(
+                f"ranks {ranks} did not confirm signal {sig} within {SIGNAL_REPLY_S:.0f} s",
+                file=sys.stderr,
+            )
         except Exception as e:  # a dead engine cannot be signalled; the waiting loop says so
             print(f"could not signal ranks {ranks}: {e}", file=sys.stderr)
 
