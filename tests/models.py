@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -98,3 +101,41 @@ class Stream(torch.utils.data.IterableDataset):
         for _ in range(self.n):
             x = torch.randn(8, generator=g)
             yield x, torch.tanh(x @ w)
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward each take a fixed wall time (a sleep, which
+    needs no CPU: ranks sharing cores with other work keep their timing)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepingLayer(nn.Module):
+    """A linear layer whose forward takes ``forward_s`` and backward ``backward_s`` seconds."""
+
+    def __init__(self, width_in: int, width_out: int, forward_s: float, backward_s: float):
+        super().__init__()
+        self.linear = nn.Linear(width_in, width_out)
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.linear(x), self.forward_s, self.backward_s)
+
+
+def sleeping_stages(n: int = 4, forward_s: float = 0.02, backward_s: float = 0.04) -> nn.Module:
+    """``n`` sleeping layers in a Sequential (8 features in, 4 out, for ``make_data``): a
+    pipeline whose stage times are set by the clock, not by how busy the cores are."""
+    torch.manual_seed(0)
+    widths = [8] * n + [4]
+    return nn.Sequential(
+        *(SleepingLayer(widths[i], widths[i + 1], forward_s, backward_s) for i in range(n))
+    )

@@ -102,31 +102,35 @@ def test_pipeline_of_explicit_stage_modules(cluster: axon_nb.Cluster) -> None:
 
 
 def test_measured_bubble_follows_the_schedule(cluster: axon_nb.Cluster) -> None:
-    """The measured idle share against (p-1)/(m+p-1), asserted loosely (2 shared cores).
+    """The first stage's measured idle share against (p-1)/(v*m+p-1).
 
-    Layers are wide enough that computing dominates the fixed cost of passing a micro-batch
-    on, and every micro-batch holds 8 samples, so only the schedule changes between runs.
-    Each figure is the least over steps of the ranks' mean: a step in which the other tests
-    running beside this one took a core shows as more idle time, and the medians of two
-    schedules measured a few seconds apart once crossed (0.215 against 0.207) while their
-    least steps stayed apart (0.135 against 0.189).
+    The first stage waits for every later stage's backward, so its share is the formula's;
+    the last stage's is smaller, since its step ends with its own last backward. The layers
+    sleep instead of computing (20 ms forward, 40 ms backward each), so stage times are set
+    by the clock, not by how much of the two shared cores a rank gets: measured on computing
+    layers, two schedules' shares crossed under a full suite. How the schedules do on real
+    layers is measured by benchmarks/pipeline_bubble.py.
     """
-    args = {**ARGS, "model": lambda: GPT(GPTConfig(n_layer=6, n_embd=512, n_head=4)), "steps": 6}
+    from models import make_data, mse, sleeping_stages
 
-    def bubble(m: int, **options: Any) -> float:
+    args = dict(model=sleeping_stages, data=make_data, loss=mse, steps=5, seed=0)
+
+    def first_stage_bubble(m: int, **options: Any) -> float:
         strategy = Pipeline(microbatches=m, **options)
-        result = cluster.train(**{**args, "batch_size": 8 * m}, strategy=strategy)
-        per_step = [statistics.mean(h["per_rank"]["bubble"]) for h in result.history[1:]]
-        print(f"{strategy.schedule} p=2 m={m}: bubble {per_step}")
-        return min(per_step)
+        result = cluster.train(**args, batch_size=4 * m, strategy=strategy)
+        per_step = [h["per_rank"]["bubble"] for h in result.history[1:]]
+        print(f"{strategy.schedule} p=2 m={m}: bubble per rank {per_step}")
+        assert all(last < first for first, last in per_step)
+        return statistics.median(first for first, _ in per_step)
 
-    few, many = bubble(2, schedule="gpipe"), bubble(8, schedule="gpipe")
-    assert 0.5 / 3 < few < 1 / 3 + 0.15  # formula: 1/3
-    assert 0.5 / 9 < many < few  # formula: 1/9
-    # Two micro-batches, where the schedules differ most: measured alone 0.25 against 0.17.
-    plain = bubble(2, schedule="1f1b")  # formula: 1/3
-    interleaved = bubble(2, schedule="interleaved_1f1b", virtual_stages=2)  # formula: 1/5
-    assert interleaved < plain
+    # Measured alone: 0.345, 0.128, 0.345 and 0.24 (PyTorch's interleaved order for m=2
+    # leaves the first stage one more idle slot than the formula).
+    assert first_stage_bubble(2, schedule="gpipe") == pytest.approx(1 / 3, abs=0.05)
+    assert first_stage_bubble(8, schedule="gpipe") == pytest.approx(1 / 9, abs=0.05)
+    plain = first_stage_bubble(2, schedule="1f1b")
+    assert plain == pytest.approx(1 / 3, abs=0.05)
+    interleaved = first_stage_bubble(2, schedule="interleaved_1f1b", virtual_stages=2)
+    assert interleaved < plain - 0.05  # formula: 1/5
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
