@@ -21,6 +21,8 @@ import axon_nb
 # and so can import them.
 _TESTS = str(Path(__file__).parent)
 
+if os.environ.get("AXON_TEST_TIMELINE"):  # when each test ran (tests/timeline.py)
+    pytest_plugins = ["timeline"]
 collect_ignore = ["server_ext"]  # run under Jupyter Server's plugin by test_server_ext.py
 # The suite runs 4 ranks on 2-core machines: more ranks than cores, on purpose.
 os.environ["AXON_NB_OVERSUBSCRIBE"] = "1"

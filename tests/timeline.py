@@ -1,0 +1,29 @@
+"""A pytest plugin that writes when each test ran, to see what ran beside a slow test.
+
+Loaded by conftest.py when ``AXON_TEST_TIMELINE`` names a file: each worker appends one line
+per test, ``worker start_s end_s load_1min nodeid`` (seconds since the epoch)::
+
+    AXON_TEST_TIMELINE=/tmp/timeline.txt make test
+    sort -k2 -n /tmp/timeline.txt
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_started: dict[str, float] = {}
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    _started[nodeid] = time.time()
+
+
+def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    line = (
+        f"{worker} {_started.pop(nodeid, 0.0):.1f} {time.time():.1f} "
+        f"{os.getloadavg()[0]:.1f} {nodeid}\n"
+    )
+    with open(os.environ["AXON_TEST_TIMELINE"], "a") as f:
+        f.write(line)
