@@ -12,7 +12,16 @@ from __future__ import annotations
 import os
 import time
 
+import pytest
+
 _started: dict[str, float] = {}
+_controller = False
+"""True in pytest-xdist's controller, which sees every worker's tests too: it writes none."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _controller
+    _controller = config.pluginmanager.hasplugin("dsession")
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
@@ -20,6 +29,8 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) 
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    if _controller:
+        return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     line = (
         f"{worker} {_started.pop(nodeid, 0.0):.1f} {time.time():.1f} "
