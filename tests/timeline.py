@@ -15,13 +15,18 @@ import time
 import pytest
 
 _started: dict[str, float] = {}
-_controller = False
-"""True in pytest-xdist's controller, which sees every worker's tests too: it writes none."""
+_plugins: list[pytest.PytestPluginManager] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    global _controller
-    _controller = config.pluginmanager.hasplugin("dsession")
+    _plugins.append(config.pluginmanager)
+
+
+def _in_xdist_controller() -> bool:
+    """pytest-xdist's controller sees every worker's tests too: it writes none. (Its
+    ``dsession`` plugin is registered in xdist's own pytest_configure, which may run after
+    this module's: it is asked per test.)"""
+    return _plugins[0].hasplugin("dsession")
 
 
 def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
@@ -29,7 +34,7 @@ def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) 
 
 
 def pytest_runtest_logfinish(nodeid: str, location: tuple[str, int | None, str]) -> None:
-    if _controller:
+    if _in_xdist_controller():
         return
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     line = (
