@@ -34,3 +34,19 @@ def test_only_old_files_no_process_maps_are_removed() -> None:
         finally:
             for path in (stale, fresh, mapped):
                 path.unlink(missing_ok=True)
+
+
+def test_a_file_unmapped_since_the_last_start_is_removed_at_the_next() -> None:
+    """A start asks the process seen mapping a file last time first (a pooled cluster's file
+    is a candidate at every start); once that process lets go, the file goes."""
+    mapped = _file("later", 600)
+    try:
+        with open(mapped, "r+b") as f, mmap.mmap(f.fileno(), 4096):
+            assert str(mapped) not in mpi_leftovers.remove_stale()
+            assert mpi_leftovers._MAPPED_BY[str(mapped)] == os.getpid()
+            assert str(mapped) not in mpi_leftovers.remove_stale()  # asked this pid only
+            assert mapped.exists()
+        assert str(mapped) in mpi_leftovers.remove_stale()
+        assert not mapped.exists()
+    finally:
+        mapped.unlink(missing_ok=True)

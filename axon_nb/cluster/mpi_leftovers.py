@@ -33,9 +33,13 @@ def remove_stale(now: float | None = None) -> list[str]:
                 candidates.append(path)
     if not candidates:
         return []
-    mapped = _mapped_paths()
+    # A pooled or long-running cluster's file is a candidate at every start: the process seen
+    # mapping it last time is asked first, and only files none explains cost a read of every
+    # process's maps (torch processes have thousands of lines each).
+    unexplained = [p for p in candidates if not _maps(_MAPPED_BY.get(p, 0), p)]
+    mapped = _mapped_paths() if unexplained else {}
     removed = []
-    for path in candidates:
+    for path in unexplained:
         if path not in mapped:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -43,12 +47,34 @@ def remove_stale(now: float | None = None) -> list[str]:
     return removed
 
 
-def _mapped_paths() -> set[str]:
-    """Every ``/dev/shm`` path some process of this host maps (as far as /proc shows)."""
-    found: set[str] = set()
+_MAPPED_BY: dict[str, int] = {}
+"""For each file found mapped, the pid of a process that mapped it."""
+
+
+def _maps(pid: int, path: str) -> bool:
+    """True when process ``pid`` maps ``path``."""
+    if pid <= 0:
+        return False
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as lines:
+        return any(path in line and _mapped_path(line) == path for line in lines)
+    return False
+
+
+def _mapped_paths() -> dict[str, int]:
+    """Every ``/dev/shm`` path some process of this host maps (as far as /proc shows), each
+    with one such pid (kept in ``_MAPPED_BY``)."""
+    found: dict[str, int] = {}
     for maps in glob.glob("/proc/[0-9]*/maps"):
         with contextlib.suppress(OSError), open(maps) as lines:
+            pid = int(maps.split("/")[2])
             for line in lines:
                 if "/dev/shm/" in line:
-                    found.add(line.split(None, 5)[-1].strip().removesuffix(" (deleted)"))
+                    found.setdefault(_mapped_path(line), pid)
+    _MAPPED_BY.clear()
+    _MAPPED_BY.update(found)
     return found
+
+
+def _mapped_path(line: str) -> str:
+    """The file of one line of ``/proc/PID/maps``."""
+    return line.split(None, 5)[-1].strip().removesuffix(" (deleted)")

@@ -10,11 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import ipyparallel as ipp
-import psutil
 
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
-from axon_nb.cluster.stopping import alive
+from axon_nb.cluster.rank_processes import RankProcesses
 from axon_nb.cluster.waiting import results
 from axon_nb.errors import AxonError, ClusterStartError, RankError
 from axon_nb.rank import entry
@@ -165,11 +164,12 @@ def wait_for_engines(
     started = time.monotonic()
     seen: set[int] = set()  # engine processes that were alive at some point
     short_since: float | None = None  # since when an engine runs but a rank is missing
+    local = options.engines == "mpi" and not options.multi_host
+    ranks = RankProcesses(lambda: [launcher.pid for launcher in cluster.engines.values()], n)
+    log_end = 0  # how far the log was searched for GAVE_UP
     while len(client.ids) < n:
         now = time.monotonic()
-        local = options.engines == "mpi" and not options.multi_host
-        parents = rank_parents(cluster) if local else []
-        alive = engine_pids(parents)
+        parents, alive = ranks.poll() if local else ([], set())
         seen |= alive
         failure = controller_failure(cluster)
         if failure is not None:
@@ -187,11 +187,13 @@ def wait_for_engines(
             raise ClusterStartError(
                 f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
             )
-        if log is not None and GAVE_UP in log.tail(400):
-            raise ClusterStartError(
-                f"an engine gave up registering with the controller ({len(client.ids)} of {n} "
-                "engines connected): the controller did not answer in time"
-            )
+        if log is not None:  # (from a little before the last read's end: a line split)
+            text, log_end = log.read_from(log_end - len(GAVE_UP))
+            if GAVE_UP in text:
+                raise ClusterStartError(
+                    f"an engine gave up registering with the controller ({len(client.ids)} of "
+                    f"{n} engines connected): the controller did not answer in time"
+                )
         if now - started > timeout:
             raise ClusterStartError(
                 f"only {len(client.ids)} of {n} engines connected within {timeout:.0f} s"
@@ -202,35 +204,6 @@ def wait_for_engines(
 MISSING_RANK_S = 10.0
 """How long a local rank's process may be missing once an engine runs before the start fails
 (they are started together; a busy host still runs each within this)."""
-
-
-def engine_pids(parents: list[psutil.Process]) -> set[int]:
-    """The engines alive under rank processes ``parents`` (each engine the child of its rank's
-    parent, ``rank/world/launch.py``, which outlives a killed engine)."""
-    pids: set[int] = set()
-    for parent in parents:
-        try:
-            pids.update(c.pid for c in parent.children() if alive(c.pid))
-        except psutil.Error:
-            continue
-    return pids
-
-
-def rank_parents(cluster: ipp.Cluster) -> list[psutil.Process]:
-    """The living ``rank/world/launch.py`` processes below this host's MPI launchers."""
-    found = []
-    for launcher in cluster.engines.values():
-        try:
-            below = psutil.Process(launcher.pid).children(recursive=True)
-        except psutil.Error:
-            continue
-        for proc in below:
-            try:
-                if "axon_nb.rank.world.launch" in proc.cmdline() and alive(proc.pid):
-                    found.append(proc)
-            except psutil.Error:
-                continue
-    return found
 
 
 def join_world(
