@@ -1,6 +1,6 @@
 """The "0 of N engines connected" flake under load (issue 23 item 5): twenty clusters in a
-row start and stop while a CPU hog runs, and leave nothing behind. Its own file so that it
-runs beside the rest of the suite rather than after test_lifecycle.py's other tests."""
+row start and stop while a CPU hog runs, and leave nothing behind. Its own file, which
+`make test` hands out last (conftest.py's LAST)."""
 
 from __future__ import annotations
 
