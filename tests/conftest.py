@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from IPython.core.interactiveshell import InteractiveShell
 
 import axon_nb
@@ -24,6 +25,11 @@ _TESTS = str(Path(__file__).parent)
 if os.environ.get("AXON_TEST_TIMELINE"):  # when each test ran (tests/timeline.py)
     pytest_plugins = ["timeline"]
 collect_ignore = ["server_ext"]  # run under Jupyter Server's plugin by test_server_ext.py
+# The one-process references (train_local) and checks run in this process, beside the other
+# worker and every rank, on two cores: with a second torch thread the same 12-step reference
+# took 1.6 s of CPU for 0.84 s (its OpenMP thread spins after each op), with one 0.79 s for
+# 0.81 s, the same losses. The ranks choose their own threads (rank/world/bootstrap.py).
+torch.set_num_threads(1)
 # The suite runs 4 ranks on 2-core machines: more ranks than cores, on purpose.
 os.environ["AXON_NB_OVERSUBSCRIBE"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
