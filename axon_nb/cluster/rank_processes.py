@@ -16,11 +16,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import psutil
 
-from axon_nb.cluster.stopping import RANK_PARENT, alive
+from axon_nb.cluster.stopping import RANK_PARENT
 
 
 class RankProcesses:
@@ -32,18 +33,26 @@ class RankProcesses:
         self._n = n
         self._parents: list[int] = []  # in the order found
         self._engine_of: dict[int, int] = {}  # rank parent -> its engine
+        self._found: dict[int, psutil.Process] = {}  # (is_running tells a reused pid apart)
 
     def poll(self) -> tuple[list[int], set[int]]:
         """The living rank parents, and the living engines whose parent lives."""
         if len(self._parents) < self._n or len(self._engine_of) < len(self._parents):
             self._scan()
-        parents = [pid for pid in self._parents if alive(pid)]
+        parents = [pid for pid in self._parents if self._alive(pid)]
         engines = {
             engine
             for parent, engine in self._engine_of.items()
-            if parent in parents and alive(engine)
+            if parent in parents and self._alive(engine)
         }
         return parents, engines
+
+    def _alive(self, pid: int) -> bool:
+        try:
+            proc = self._found.setdefault(pid, psutil.Process(pid))
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     def _scan(self) -> None:
         """One pass over the process table: new rank parents and engines below the launchers."""
@@ -57,12 +66,19 @@ class RankProcesses:
             pid = below.pop()
             for child in children.get(pid, []):
                 if pid in self._parents:
-                    self._engine_of.setdefault(pid, child)
+                    if pid not in self._engine_of:
+                        self._engine_of[pid] = child
+                        self._remember(child)
                     continue
                 # (a process not yet one may still exec into one: asked again next scan)
                 if child not in self._parents and _is_rank_parent(child):
                     self._parents.append(child)
+                    self._remember(child)
                 below.append(child)
+
+    def _remember(self, pid: int) -> None:
+        with contextlib.suppress(psutil.Error):
+            self._found[pid] = psutil.Process(pid)
 
 
 def _is_rank_parent(pid: int) -> bool:
