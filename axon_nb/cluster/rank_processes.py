@@ -49,7 +49,7 @@ class RankProcesses:
 
     def _alive(self, pid: int) -> bool:
         try:
-            proc = self._found.setdefault(pid, psutil.Process(pid))
+            proc = self._found.get(pid) or self._found.setdefault(pid, psutil.Process(pid))
             return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
             return False
