@@ -75,13 +75,14 @@ class ClusterLog:
     def read_from(self, offset: int) -> tuple[str, int]:
         """What the file holds from byte ``offset`` on (undecodable bytes replaced), and
         where it ends: a poll reads only what was written since its last read."""
+        offset = max(offset, 0)
         try:
             with open(self.path, "rb") as f:
-                f.seek(max(offset, 0))
+                f.seek(offset)
                 data = f.read()
         except OSError:
-            return "", max(offset, 0)
-        return data.decode("utf-8", errors="replace"), max(offset, 0) + len(data)
+            return "", offset
+        return data.decode("utf-8", errors="replace"), offset + len(data)
 
     def ending(self, lines: int = 15) -> str:
         """The last ``lines`` non-blank lines and where the whole log is, to explain a

@@ -21,38 +21,31 @@ from collections.abc import Callable
 
 import psutil
 
-from axon_nb.cluster.stopping import RANK_PARENT
+from axon_nb.cluster.stopping import is_rank_parent, running
 
 
 class RankProcesses:
     """The rank parents below ``launchers()`` (pids of this host's MPI launchers) and their
-    engines, for ``n`` ranks."""
+    engines, for ``n`` ranks. Each is kept as the ``psutil.Process`` first found, so a pid
+    reused by another process does not count as a living rank."""
 
     def __init__(self, launchers: Callable[[], list[int]], n: int) -> None:
         self._launchers = launchers
         self._n = n
-        self._parents: list[int] = []  # in the order found
-        self._engine_of: dict[int, int] = {}  # rank parent -> its engine
-        self._found: dict[int, psutil.Process] = {}  # (is_running tells a reused pid apart)
+        self._parents: dict[int, psutil.Process] = {}  # in the order found
+        self._engines: dict[int, psutil.Process] = {}  # by the pid of their rank parent
 
     def poll(self) -> tuple[list[int], set[int]]:
         """The living rank parents, and the living engines whose parent lives."""
-        if len(self._parents) < self._n or len(self._engine_of) < len(self._parents):
+        if len(self._parents) < self._n or len(self._engines) < len(self._parents):
             self._scan()
-        parents = [pid for pid in self._parents if self._alive(pid)]
+        parents = [pid for pid, proc in self._parents.items() if running(proc)]
         engines = {
-            engine
-            for parent, engine in self._engine_of.items()
-            if parent in parents and self._alive(engine)
+            engine.pid
+            for parent, engine in self._engines.items()
+            if parent in parents and running(engine)
         }
         return parents, engines
-
-    def _alive(self, pid: int) -> bool:
-        try:
-            proc = self._found.get(pid) or self._found.setdefault(pid, psutil.Process(pid))
-            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
 
     def _scan(self) -> None:
         """One pass over the process table: new rank parents and engines below the launchers."""
@@ -65,24 +58,15 @@ class RankProcesses:
         while below:
             pid = below.pop()
             for child in children.get(pid, []):
-                if pid in self._parents:
-                    if pid not in self._engine_of:
-                        self._engine_of[pid] = child
-                        self._remember(child)
+                if pid in self._parents:  # its one child, the engine
+                    if pid not in self._engines:
+                        with contextlib.suppress(psutil.Error):
+                            self._engines[pid] = psutil.Process(child)
                     continue
                 # (a process not yet one may still exec into one: asked again next scan)
-                if child not in self._parents and _is_rank_parent(child):
-                    self._parents.append(child)
-                    self._remember(child)
+                if child not in self._parents:
+                    with contextlib.suppress(psutil.Error):
+                        proc = psutil.Process(child)
+                        if is_rank_parent(proc):
+                            self._parents[child] = proc
                 below.append(child)
-
-    def _remember(self, pid: int) -> None:
-        with contextlib.suppress(psutil.Error):
-            self._found[pid] = psutil.Process(pid)
-
-
-def _is_rank_parent(pid: int) -> bool:
-    try:
-        return RANK_PARENT in psutil.Process(pid).cmdline()
-    except psutil.Error:
-        return False

@@ -48,7 +48,7 @@ def wait_gone(procs: Iterable[psutil.Process], seconds: float) -> list[psutil.Pr
     procs = list(procs)
     deadline = time.monotonic() + max(seconds, 0.0)
     while True:
-        left = [p for p in procs if _running(p)]
+        left = [p for p in procs if running(p)]
         if not left or time.monotonic() >= deadline:
             return left
         time.sleep(0.05)
@@ -62,7 +62,7 @@ def terminate_then_kill(
     SIGTERM sufficed). ``ranks_at_once``: SIGKILL the engines (and nannies) right after their
     parents' SIGTERM, for a broken world, where busy survivors would only be waited out."""
     roots = set(roots)
-    parents = [p for p in tree if p.pid in roots or _is_rank_parent(p)]
+    parents = [p for p in tree if p.pid in roots or is_rank_parent(p)]
     for proc in parents:
         _send(proc, signal.SIGTERM)
     if ranks_at_once:  # (after the parents' SIGTERM: they take the engines' end as the stop)
@@ -85,14 +85,16 @@ def terminate_then_kill(
     return [p.pid for p in left]
 
 
-def _is_rank_parent(proc: psutil.Process) -> bool:
+def is_rank_parent(proc: psutil.Process) -> bool:
+    """True when ``proc`` runs ``RANK_PARENT`` (false once it has ended)."""
     try:
         return RANK_PARENT in proc.cmdline()
     except psutil.Error:
         return False
 
 
-def _running(proc: psutil.Process) -> bool:
+def running(proc: psutil.Process) -> bool:
+    """True while ``proc`` runs: not a zombie, and not another process with its pid."""
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
@@ -134,7 +136,7 @@ def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool) -> None:
                 client.shutdown(targets="all", block=False)
                 # The engines (and their nannies) act on it; the parent of a rank that died
                 # stays until signalled, so the rest of the tree gets only a short grace.
-                asked = [p for p in tree if p.pid not in engines and not _is_rank_parent(p)]
+                asked = [p for p in tree if p.pid not in engines and not is_rank_parent(p)]
                 wait_gone(asked, ASK_S)
                 wait_gone(tree, LAUNCHER_GRACE_S)
     terminate_then_kill(tree, engines, ranks_at_once=not ask)  # (at once if all are gone)
