@@ -87,6 +87,45 @@ def test_error_names_the_rank_that_raised_first(cluster4: axon_nb.Cluster) -> No
     assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
 
 
+def _fail_on_two_and_leave_slowly() -> None:
+    """Rank 2 raises while the others wait for it in an all-reduce; ranks 1 and 3 take 1.5 s
+    to leave theirs once it fails (as a loaded machine makes them), with Ctrl-C ignored."""
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == 2:
+        raise ValueError("bad shard on this rank")
+    saved = signal.signal(signal.SIGINT, signal.SIG_IGN) if rank in (1, 3) else None
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError:
+        if rank in (1, 3):
+            time.sleep(1.5)
+        raise
+    finally:
+        if saved is not None:
+            signal.signal(signal.SIGINT, saved)
+
+
+def test_ranks_slow_to_leave_a_failed_collective_do_not_leave_a_peer_stuck(
+    cluster4: axon_nb.Cluster,
+) -> None:
+    """Releasing a collective goes round by round (rank 2's connections free ranks 1 and 3,
+    theirs free rank 0). Once, under load, a round freed nobody within its second and the
+    release gave up: rank 0 stayed in its all-reduce until the 120 s collective timeout, and
+    the next call waited for it."""
+    started = time.monotonic()
+    with pytest.raises(axon_nb.RankError) as info:
+        cluster4.run(_fail_on_two_and_leave_slowly, stream=False)
+    assert info.value.rank == 2
+    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+    assert time.monotonic() - started < 40
+
+
 def _allreduce_forever() -> None:
     import torch
     import torch.distributed as dist

@@ -234,15 +234,16 @@ def _unstick(
     if _wait_until_ready(parts, STUCK_AFTER_S, streams):
         return True
     # Releasing frees the ranks waiting on a free peer; those may be what others wait on, so
-    # release again from the newly freed ranks until nobody is stuck or nothing changes.
-    for _ in parts:
-        stuck = _running(parts)
-        control.release(stuck)
-        if _wait_until_ready(parts, RELEASE_ROUND_S, streams):
+    # release again from the ranks freed since, round after round. A round that freed nobody
+    # within RELEASE_ROUND_S is no reason to stop: on a loaded machine a freed rank can take
+    # longer to leave its collective, and the ranks waiting on it were then left in theirs
+    # until the collective timeout (minutes). Releasing the same ranks again changes nothing.
+    end = time.monotonic() + INTERRUPT_GRACE_S
+    while time.monotonic() < end:
+        control.release(_running(parts))
+        if _wait_until_ready(parts, min(RELEASE_ROUND_S, end - time.monotonic()), streams):
             return True
-        if _running(parts) == stuck:
-            break
-    return _wait_until_ready(parts, INTERRUPT_GRACE_S, streams)
+    return False
 
 
 def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankControl) -> None:
