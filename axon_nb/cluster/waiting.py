@@ -30,7 +30,8 @@ STUCK_AFTER_S = 2.0
 RELEASE_ROUND_S = 1.0
 """How long released ranks get to leave their collective before the next release round."""
 INTERRUPT_GRACE_S = 10.0
-"""After SIGINT, how long ranks get to unwind before the kernel stops waiting."""
+"""After SIGINT and ``STUCK_AFTER_S``, how long ranks get to unwind (released round after
+round when some are left in a collective) before the kernel stops waiting."""
 
 
 class RankControl(Protocol):
@@ -237,13 +238,17 @@ def _unstick(
     # release again from the ranks freed since, round after round. A round that freed nobody
     # within RELEASE_ROUND_S is no reason to stop: on a loaded machine a freed rank can take
     # longer to leave its collective, and the ranks waiting on it were then left in theirs
-    # until the collective timeout (minutes). Releasing the same ranks again changes nothing.
+    # until the collective timeout (minutes). Releasing from the same ranks again changes
+    # nothing. A rank that comes back from native code while others are still busy is released
+    # from too, though they may be busy elsewhere: they may wait on it in a collective, and
+    # re-forming the world once too often costs far less than a rank left in one.
     end = time.monotonic() + INTERRUPT_GRACE_S
-    while time.monotonic() < end:
+    control.release(_running(parts))
+    while not _wait_until_ready(parts, RELEASE_ROUND_S, streams):
+        if time.monotonic() >= end:
+            return False
         control.release(_running(parts))
-        if _wait_until_ready(parts, min(RELEASE_ROUND_S, end - time.monotonic()), streams):
-            return True
-    return False
+    return True
 
 
 def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankControl) -> None:
@@ -293,11 +298,13 @@ def _forward_interrupt(
         return
     print(f"Interrupting ranks {_fmt(running)} ...", file=sys.stderr)
     try:
+        started = time.monotonic()
         control.interrupt(running)
         if not _unstick(parts, control, streams):
             print(
-                f"ranks {_fmt(_running(parts))} are still busy {INTERRUPT_GRACE_S:.0f} s after "
-                "SIGINT (stuck in native code?); `%axon_cluster --restart` starts fresh ranks",
+                f"ranks {_fmt(_running(parts))} are still busy "
+                f"{time.monotonic() - started:.0f} s after SIGINT (stuck in native code?); "
+                "`%axon_cluster --restart` starts fresh ranks",
                 file=sys.stderr,
             )
     except KeyboardInterrupt:
