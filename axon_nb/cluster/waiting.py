@@ -243,12 +243,12 @@ def _unstick(
     # from too, though they may be busy elsewhere: they may wait on it in a collective, and
     # re-forming the world once too often costs far less than a rank left in one.
     end = time.monotonic() + INTERRUPT_GRACE_S
-    control.release(_running(parts))
-    while not _wait_until_ready(parts, RELEASE_ROUND_S, streams):
+    while True:
+        control.release(_running(parts))
+        if _wait_until_ready(parts, RELEASE_ROUND_S, streams):
+            return True
         if time.monotonic() >= end:
             return False
-        control.release(_running(parts))
-    return True
 
 
 def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankControl) -> None:
