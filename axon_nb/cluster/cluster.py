@@ -140,7 +140,8 @@ class Cluster(Transport):
             )
         except BaseException as e:
             lost_a_port = startup.port_was_taken(cluster, self.log)
-            self.stop()
+            self.stop()  # copies what the controller wrote by now (more than above, on a busy host)
+            lost_a_port = lost_a_port or startup.port_taken_in_log(self.log)
             error = startup.start_error(e, lost_a_port, self.log)
             if error is e:
                 raise

@@ -4,6 +4,7 @@ noticing ranks that exit first), then having every rank join the torch world."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -103,23 +104,34 @@ def controller_failure(cluster: ipp.Cluster) -> str | None:
     return None
 
 
-OUTPUT_SETTLE_S = 0.5
-"""A failing controller's output is read once it has not grown for this long: on a busy host
-its traceback is written in parts, and the line naming the taken port comes last."""
-OUTPUT_SETTLE_MAX_S = 5.0
-"""At most this long is waited for that output to settle."""
+TRACEBACK_END_MAX_S = 10.0
+"""At most this long is waited for a failing controller's traceback to be written to its end:
+on a busy host it is written in parts, seconds apart, and the line naming the taken port comes
+last (a wait for the output to stop growing for 0.5 s was seen to read it half-written)."""
 
 
-def settled_text(read: Callable[[], str], quiet_s: float, max_s: float) -> str:
-    """``read()`` once it returns the same text twice ``quiet_s`` apart (``max_s`` at most)."""
+EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: |$)")
+"""The line that ends a traceback, naming the exception (``zmq.error.ZMQError: ...``); a log
+line another thread writes meanwhile starts with a date or a bracket."""
+
+
+def traceback_ended(text: str) -> bool:
+    """Whether the last traceback in ``text`` is written to its end: after its frames (indented
+    lines) comes the line naming the exception, newline included."""
+    _, header, rest = text.rpartition(TRACEBACK)
+    if not header:
+        return False
+    lines = rest.split("\n")[1:-1]  # whole lines after the header's
+    return any(EXCEPTION_LINE.match(line) for line in lines)
+
+
+def finished_traceback(read: Callable[[], str], max_s: float) -> str:
+    """``read()`` once the last traceback in it is written to its end, or after ``max_s``."""
     deadline = time.monotonic() + max_s
     text = read()
-    while time.monotonic() < deadline:
-        time.sleep(quiet_s)
-        again = read()
-        if again == text:
-            break
-        text = again
+    while not traceback_ended(text) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        text = read()
     return text
 
 
@@ -127,11 +139,14 @@ def port_was_taken(cluster: ipp.Cluster, log: ClusterLog | None) -> bool:
     """Whether the controller failed because a port it picked was taken meanwhile."""
     output = controller_output(cluster)
     if TRACEBACK in output and PORT_TAKEN not in output:
-        output = settled_text(
-            lambda: controller_output(cluster), OUTPUT_SETTLE_S, OUTPUT_SETTLE_MAX_S
-        )
-    in_log = log is not None and PORT_TAKEN in log.tail(400)
-    return in_log or PORT_TAKEN in output
+        output = finished_traceback(lambda: controller_output(cluster), TRACEBACK_END_MAX_S)
+    return port_taken_in_log(log) or PORT_TAKEN in output
+
+
+def port_taken_in_log(log: ClusterLog | None) -> bool:
+    """Whether the cluster's log says a port was taken (the controller's output is copied there
+    when the cluster stops)."""
+    return log is not None and PORT_TAKEN in log.tail(400)
 
 
 def connect_client(cluster: ipp.Cluster, timeout: float) -> ipp.Client:
