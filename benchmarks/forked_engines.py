@@ -127,8 +127,10 @@ def stub(argv: list[str]) -> int:
     numbers = [0, 1, 2]
     if "PMI_FD" in os.environ:
         numbers.append(int(os.environ["PMI_FD"]))
-    log = os.environ.get("AXON_NB_ENGINE_LOG")
-    output = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) if log else 1
+    from axon_nb.rank.world.launch import _engine_output  # as the rank's parent opens it
+
+    output = _engine_output()
+    output = 1 if output is None else output
     connection = socket.socket(socket.AF_UNIX)
     connection.connect(os.environ[SOCKET_ENV])
     message = {
