@@ -12,9 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from helpers import wait_gone
+from helpers import cluster_pids, wait_gone
 
 import axon_nb
 
@@ -26,7 +25,7 @@ pytestmark = [
 
 
 def _descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    return set(cluster_pids())
 
 
 def test_missing_mpiexec_says_how_to_install_it(monkeypatch) -> None:

@@ -7,9 +7,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
-from helpers import wait_gone
+from helpers import cluster_pids, wait_gone
 
 pytestmark = [
     pytest.mark.cluster,
@@ -19,7 +18,7 @@ pytestmark = [
 
 
 def _descendants() -> set[int]:
-    return {p.pid for p in psutil.Process().children(recursive=True)}
+    return set(cluster_pids())
 
 
 def test_twenty_starts_in_a_row_under_a_cpu_hog_all_start() -> None:

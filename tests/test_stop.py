@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 from busy import MODES, train_forever
-from helpers import wait_gone
+from helpers import cluster_pids, wait_gone
 from IPython.core.error import UsageError
 
 import axon_nb
@@ -26,11 +26,6 @@ pytestmark = [
 
 STOP_S = 10.0
 """What the README promises for every stop path."""
-
-
-def cluster_pids() -> list[int]:
-    """This process's descendants: the cluster's processes (and its reaper)."""
-    return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
 def make_busy(cluster: axon_nb.Cluster, mode: str) -> None:

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import ipyparallel as ipp
 
+from axon_nb.cluster import warm_engines
 from axon_nb.cluster.options import ClusterOptions, format_hosts
 from axon_nb.errors import ClusterStartError
 from axon_nb.spec.bootstrap_spec import address_toward
+from axon_nb.spec.warm_engines import SERVER_ENV
 
 MPI_HINT = (
     "Install MPICH into this Python environment with `pip install mpich` (it provides "
@@ -53,6 +55,13 @@ is dropped after 30 s without answering a beat (it answers from a thread outside
 def engine_environment(log_path: str) -> dict[str, str]:
     """What every engine launcher adds to the ranks' environment: where engines write."""
     return {"AXON_NB_ENGINE_LOG": log_path}
+
+
+def warm_engine_environment() -> dict[str, str]:
+    """Where this host's ranks get their engines forked (``cluster/warm_engines.py``): one
+    host only (a rank on another host starts its engine as a process)."""
+    directory = warm_engines.server_directory()
+    return {SERVER_ENV: directory} if directory else {}
 
 
 def find_mpiexec(kind: str = "mpiexec") -> str:
@@ -111,7 +120,7 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions, log_path: str)
             mpiexec = find_mpiexec("mpiexec.gforker")
         except ClusterStartError:
             mpiexec = find_mpiexec()
-        environment = dict(LOOPBACK_MPI_ENV)
+        environment = {**LOOPBACK_MPI_ENV, **warm_engine_environment()}
     launcher.mpi_cmd = [mpiexec]
     launcher.environment = {**environment, **engine_environment(log_path)}
     launcher.engine_args = list(ENGINE_ARGS)  # (ipyparallel adds --mpi)
@@ -206,7 +215,7 @@ def _configure_local(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
     launcher = cluster.config.LocalEngineSetLauncher
     launcher.engine_cmd = engine_cmd()
     launcher.engine_args = ENGINE_ARGS
-    launcher.environment = engine_environment(log_path)
+    launcher.environment = {**engine_environment(log_path), **warm_engine_environment()}
 
 
 LAUNCHERS: dict[str, Callable[[ipp.Cluster, ClusterOptions, str], None]] = {

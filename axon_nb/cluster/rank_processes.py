@@ -1,8 +1,9 @@
 """This host's rank processes while a cluster starts, found with few reads of ``/proc``.
 
 Each local rank is a parent (``axon_nb.rank.world.launch``, below the MPI launcher) with one
-child, its engine. ``wait_for_engines`` asks five times a second which of them are alive, for
-as long as the engines take to register. Asking ``psutil`` for a process's children reads the
+engine: its child, or forked for it by this host's warm process (``spec/warm_engines.py``).
+``wait_for_engines`` asks five times a second which of them are alive, for as long as the
+engines take to register. Asking ``psutil`` for a process's children reads the
 ``stat`` file of every process on the host, so a 4-rank start on a host running a few hundred
 processes read about a thousand files per poll: on two busy cores, seconds of the kernel's CPU
 per start. Here the table is read once per poll, and only until every rank's parent and
@@ -21,7 +22,7 @@ from collections.abc import Callable
 
 import psutil
 
-from axon_nb.cluster.stopping import is_rank_parent, running
+from axon_nb.cluster.stopping import forked_engine, is_rank_parent, running
 
 
 class RankProcesses:
@@ -70,3 +71,6 @@ class RankProcesses:
                         if is_rank_parent(proc):
                             self._parents[child] = proc
                 below.append(child)
+        for pid, parent in self._parents.items():
+            if pid not in self._engines and (engine := forked_engine(parent)) is not None:
+                self._engines[pid] = engine

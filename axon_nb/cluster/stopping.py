@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from axon_nb.spec.stop_waits import ASK_S, KILL_AFTER_S, LAUNCHER_GRACE_S
+from axon_nb.spec.warm_engines import SERVER_ENV, forked_engine_pid
 
 RANK_PARENT = "axon_nb.rank.world.launch"
 """The module each rank's parent runs (``rank/world/launch.py``); SIGTERM to it stops its rank."""
@@ -30,7 +31,8 @@ def alive(pid: int) -> bool:
 
 
 def process_tree(roots: Iterable[int]) -> list[psutil.Process]:
-    """``roots`` and every process below them, as they are now (roots first)."""
+    """``roots`` and every process below them, as they are now (roots first); a rank's
+    engine forked by the warm process (``spec/warm_engines.py``) counts as below its parent."""
     tree: list[psutil.Process] = []
     for pid in roots:
         try:
@@ -38,7 +40,23 @@ def process_tree(roots: Iterable[int]) -> list[psutil.Process]:
             tree += [root, *root.children(recursive=True)]
         except psutil.Error:
             continue
+    for parent in [p for p in tree if is_rank_parent(p)]:
+        engine = forked_engine(parent)
+        if engine is not None:
+            with contextlib.suppress(psutil.Error):
+                tree += [engine, *engine.children(recursive=True)]
     return tree
+
+
+def forked_engine(parent: psutil.Process) -> psutil.Process | None:
+    """The engine this host's warm process forked for rank parent ``parent`` and still runs
+    (the engine is the warm process's child), else None."""
+    try:
+        directory = parent.environ().get(SERVER_ENV)
+        pid = forked_engine_pid(directory, parent.pid) if directory else None
+        return psutil.Process(pid) if pid is not None else None
+    except psutil.Error:
+        return None
 
 
 def wait_gone(procs: Iterable[psutil.Process], seconds: float) -> list[psutil.Process]:

@@ -19,6 +19,9 @@ The engine inherits the environment and every file descriptor (MPI's ``PMI_FD`` 
 except its output: with ``AXON_NB_ENGINE_LOG`` set (the cluster's owner-only log file) the
 engine writes there, so no pipe of the MPI launcher lies between an engine and its log. It
 shares this process group (hydra signals the group) and is SIGKILLed if this process dies.
+Where the kernel runs a warm process for this host (``spec/warm_engines.py``) the engine is
+forked from it instead (``rank/world/forked_engine.py``), with the same environment,
+descriptors and death: this parent signals and waits for it the same way.
 Usage (what ``cluster/launchers.py`` configures)::
 
     mpiexec -n 4 python -m axon_nb.rank.world.launch python -m axon_nb.rank.world.engine --mpi
@@ -36,8 +39,10 @@ import time
 
 import psutil
 
+from axon_nb.rank.world.forked_engine import ForkedEngine
 from axon_nb.spec.shared_data import leftovers
 from axon_nb.spec.stop_waits import TERM_S
+from axon_nb.spec.warm_engines import SERVER_ENV
 
 LOG_ENV = "AXON_NB_ENGINE_LOG"
 """The file the engine's output goes to (set by ``cluster/launchers.py``)."""
@@ -45,7 +50,7 @@ LOG_ENV = "AXON_NB_ENGINE_LOG"
 _PR_SET_PDEATHSIG = 1
 
 
-def _set_death_signal(signum: int) -> None:
+def set_death_signal(signum: int) -> None:
     """Get ``signum`` when the parent of the calling process dies (Linux; a no-op elsewhere)."""
     try:
         import ctypes
@@ -57,7 +62,7 @@ def _set_death_signal(signum: int) -> None:
 
 def _die_with_parent() -> None:
     """(In the child, before exec) be SIGKILLed when this parent dies."""
-    _set_death_signal(signal.SIGKILL)
+    set_death_signal(signal.SIGKILL)
 
 
 def _engine_output() -> int | None:
@@ -105,14 +110,12 @@ def main(argv: list[str]) -> int:
         print("usage: python -m axon_nb.rank.world.launch COMMAND [ARGS...]", file=sys.stderr)
         return 2
     parent = os.getppid()
-    _set_death_signal(signal.SIGTERM)  # the MPI launcher died: stop the engine too
+    set_death_signal(signal.SIGTERM)  # the MPI launcher died: stop the engine too
     # Hydra's notice that another rank failed. SIG_IGN is inherited through exec, so the
     # engine ignores it too until its watch thread registers faulthandler on it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     output = _engine_output()
-    child = subprocess.Popen(
-        argv, close_fds=False, preexec_fn=_die_with_parent, stdout=output, stderr=output
-    )
+    child = _start_engine(argv, output)
     if output is not None:
         os.close(output)
     stopping = _Stopping()
@@ -146,7 +149,19 @@ def main(argv: list[str]) -> int:
     return 128 - code
 
 
-def _wait(child: subprocess.Popen[bytes], stopping: _Stopping) -> int:
+def _start_engine(argv: list[str], output: int | None) -> subprocess.Popen[bytes] | ForkedEngine:
+    """The engine, forked by this host's warm process where the kernel started one
+    (``spec/warm_engines.py``), else started as this process's child."""
+    server = os.environ.get(SERVER_ENV)
+    engine = ForkedEngine.start(server, argv, output) if server else None
+    if engine is not None:
+        return engine
+    return subprocess.Popen(
+        argv, close_fds=False, preexec_fn=_die_with_parent, stdout=output, stderr=output
+    )
+
+
+def _wait(child: subprocess.Popen[bytes] | ForkedEngine, stopping: _Stopping) -> int:
     """The engine's exit code. A blocking wait (this process uses no CPU while the engine
     runs); a stop's signal handler runs meanwhile and arms the SIGKILL of the engine's tree."""
     code = child.wait()

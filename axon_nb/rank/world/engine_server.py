@@ -1,0 +1,280 @@
+"""The warm process that forks this host's engines (``spec/warm_engines.py``).
+
+It imports what an engine imports (torch, ipyparallel's engine, axon_nb's rank modules), once,
+without touching MPI, CUDA or a torch op (no thread pool exists to be broken by ``fork``), then
+waits. A rank's parent (``rank/world/forked_engine.py``) connects and sends its command line,
+environment, working directory and open file descriptors (``SCM_RIGHTS``: its output and
+MPI's ``PMI_FD`` among them); the server forks, the child puts them back at the same numbers
+and runs the engine module as ``python -m`` would. The parent gets the engine's pid, then its
+exit code once the server has reaped it.
+
+Lifetimes, so nothing outlives its owner:
+
+- an engine is SIGKILLed (with its nanny) when its rank's parent's connection closes before
+  the engine ended (the parent died), and when the server dies (``PR_SET_PDEATHSIG``);
+- the server ends, SIGKILLing its engines, when the kernel that started it is gone (its
+  parent pid changes) or on SIGTERM.
+
+Usage (what ``cluster/warm_engines.py`` runs, in a session of its own)::
+
+    python -m axon_nb.rank.world.engine_server DIRECTORY
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+
+import psutil
+
+from axon_nb.rank.world.launch import set_death_signal
+from axon_nb.spec.warm_engines import engines_dir, socket_path
+
+PARENT_POLL_S = 0.5
+"""How often the server checks that the kernel that started it is alive."""
+
+MAX_FDS = 64
+"""The most file descriptors one request may carry."""
+
+ENGINE_MODULE = "axon_nb.rank.world.engine"
+
+
+def _preload() -> None:
+    """What every engine imports (``rank/world/engine.py`` and the first requests' modules)."""
+    import ipyparallel.engine.app  # noqa: F401
+    import mpi4py  # noqa: F401  (the package only: the engine initializes MPI)
+    import torch.distributed  # noqa: F401
+
+    import axon_nb.ipykernel_sigint
+    import axon_nb.rank.entry
+    import axon_nb.rank.world.bootstrap
+    import axon_nb.rank.world.engine  # noqa: F401
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL engine ``pid`` and what it started (its nanny: collected first)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [*root.children(recursive=True), root]
+    except psutil.Error:
+        return
+    for proc in tree:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+
+
+def _peer_pid(conn: socket.socket) -> int:
+    """The pid of the process at the other end of ``conn``; refuses another user's."""
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if uid != os.getuid():
+        raise PermissionError(f"a process of user {uid} asked for an engine")
+    return pid
+
+
+def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One request: JSON ending in a newline; the descriptors come with its first bytes."""
+    conn.settimeout(10.0)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, MAX_FDS)
+    while not data.endswith(b"\n"):
+        more = conn.recv(1 << 16)
+        if not more:
+            for fd in fds:
+                os.close(fd)
+            raise ConnectionError("the request ended early")
+        data += more
+    return json.loads(data), fds
+
+
+class _Server:
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.parent = os.getppid()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(socket_path(directory))
+        self.listener.listen(128)
+        os.makedirs(engines_dir(directory), exist_ok=True)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        # SIGCHLD wakes the loop through this pipe (an engine ended: reap it at once).
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+        self.selector.register(self.wake_r, selectors.EVENT_READ)
+        self.engines: dict[int, tuple[socket.socket, int]] = {}  # pid -> (connection, parent)
+
+    def serve(self) -> None:
+        while os.getppid() == self.parent:
+            for key, _ in self.selector.select(PARENT_POLL_S):
+                if key.fileobj is self.listener:
+                    self._accept()
+                elif key.fileobj == self.wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self.wake_r, 4096)
+                else:
+                    self._closed(key.fileobj)  # type: ignore[arg-type]
+            self._reap()
+
+    def _accept(self) -> None:
+        conn, _ = self.listener.accept()
+        try:
+            parent = _peer_pid(conn)
+            request, fds = _read_request(conn)
+        except (OSError, ValueError) as e:
+            print(f"axon_nb engine server: refused a request: {e}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            self._become_engine(request, fds, conn, server_pid)
+        for fd in fds:
+            os.close(fd)
+        self.engines[pid] = (conn, parent)
+        record = os.path.join(engines_dir(self.directory), str(parent))
+        with open(record + ".new", "w") as f:
+            f.write(str(pid))
+        os.replace(record + ".new", record)
+        with contextlib.suppress(OSError):
+            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        self.selector.register(conn, selectors.EVENT_READ)
+
+    def _closed(self, conn: socket.socket) -> None:
+        """A parent's connection is readable: it closed. SIGKILL its engine if that runs."""
+        with contextlib.suppress(OSError):
+            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return  # (a parent sends nothing more; ignore stray bytes)
+        for pid, (engine_conn, _) in list(self.engines.items()):
+            if engine_conn is conn:
+                _kill_tree(pid)  # reaped, and forgotten, by _reap
+        self.selector.unregister(conn)
+
+    def _reap(self) -> None:
+        with contextlib.suppress(ChildProcessError):
+            while True:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    return
+                conn, parent = self.engines.pop(pid, (None, 0))
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(engines_dir(self.directory), str(parent)))
+                if conn is not None:
+                    with contextlib.suppress(OSError):
+                        message = {"exit": os.waitstatus_to_exitcode(status)}
+                        conn.sendall(json.dumps(message).encode() + b"\n")
+                    with contextlib.suppress(KeyError, ValueError):
+                        self.selector.unregister(conn)
+                    conn.close()
+
+    def close(self) -> None:
+        """The kernel is gone (or SIGTERM): the engines go too."""
+        for pid in list(self.engines):
+            _kill_tree(pid)
+        deadline = time.monotonic() + 5.0
+        while self.engines and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.05)
+        self.listener.close()
+
+    def _become_engine(
+        self, request: dict, fds: list[int], conn: socket.socket, server_pid: int
+    ) -> None:
+        """(In the forked child) become the engine the request describes; never returns."""
+        code = 1
+        try:
+            set_death_signal(signal.SIGKILL)  # the server died: so does this engine
+            if os.getppid() != server_pid:  # (it died before the death signal was set)
+                os._exit(1)
+            signal.set_wakeup_fd(-1)
+            for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as rank/world/launch.py leaves it
+            self.selector.close()
+            for other, _ in self.engines.values():
+                other.close()
+            conn.close()
+            self.listener.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            _take_descriptors(fds, request["fd_numbers"])
+            code = _run_engine(request)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+
+
+def _take_descriptors(fds: list[int], numbers: list[int]) -> None:
+    """Put the received ``fds`` at the ``numbers`` they had in the rank's parent."""
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]  # out of the targets' way
+    for fd in fds:
+        os.close(fd)
+    for number, fd in zip(numbers, moved, strict=True):
+        os.dup2(fd, number)  # (inheritable, as in a process the parent started)
+        os.close(fd)
+
+
+def _run_engine(request: dict) -> int:
+    """Run the engine module as ``python -m`` would, in the parent's environment and directory;
+    its exit code."""
+    import atexit
+    import runpy
+
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [request["cwd"], *path, *(p for p in sys.path[1:] if p not in path)]
+    if "numpy" in sys.modules:  # (Python's random reseeds itself in a forked child)
+        sys.modules["numpy"].random.seed()
+    sys.argv = [ENGINE_MODULE, *request["args"]]
+    code = 0
+    try:
+        runpy.run_module(ENGINE_MODULE, run_name="__main__", alter_sys=True)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()  # (what a process the parent started runs as it exits)
+    return code
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m axon_nb.rank.world.engine_server DIRECTORY", file=sys.stderr)
+        return 2
+    server = _Server(argv[0])  # listening first: parents queue while it imports
+    try:
+        _preload()
+        server.serve()
+    except SystemExit:
+        pass
+    finally:
+        server.close()
+        shutil.rmtree(argv[0], ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

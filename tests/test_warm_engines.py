@@ -1,0 +1,129 @@
+"""Engines forked from the kernel's warm process (``cluster/warm_engines.py``): each start
+gets fresh engines in its own environment, a rank's parent that dies takes its forked engine
+along, and without the server (switched off, or not answering) engines start as processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from helpers import until, wait_gone
+
+import axon_nb
+from axon_nb.cluster import warm_engines
+from axon_nb.cluster.stopping import forked_engine, is_rank_parent
+from axon_nb.rank.world.forked_engine import ENGINE_MODULE, ForkedEngine
+from axon_nb.spec.warm_engines import SWITCH_ENV
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+
+def _engine_facts() -> dict:
+    import os
+    import sys
+
+    import numpy as np
+
+    return {
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "log": os.environ.get("AXON_NB_ENGINE_LOG"),
+        "cwd": os.getcwd(),
+        "main": sys.argv[0],
+        "draw": float(np.random.rand()),
+    }
+
+
+def test_each_start_forks_fresh_engines_in_its_own_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    for _ in range(2):
+        with axon_nb.Cluster(n=2) as cluster:
+            server = warm_engines.server_pid()
+            assert server is not None
+            facts = cluster.run(_engine_facts, stream=False)
+            assert [f["ppid"] for f in facts] == [server, server]  # forked by the server
+            assert {f["cwd"] for f in facts} == {str(tmp_path)}
+            assert all(f["main"].endswith("axon_nb/rank/world/engine.py") for f in facts)
+            assert len({f["draw"] for f in facts}) == 2  # numpy reseeded in each engine
+            seen.append(facts)
+        assert wait_gone([f["pid"] for f in facts], 10) == []
+        assert warm_engines.server_pid() == server  # the server stays for the next start
+    first, second = seen
+    assert first[0]["log"] != second[0]["log"]  # each cluster's own log: a fresh environment
+    assert {f["draw"] for f in first}.isdisjoint(f["draw"] for f in second)
+
+
+def test_a_rank_parent_that_dies_takes_its_forked_engine_along() -> None:
+    with axon_nb.Cluster(n=2, timeout=30) as cluster:
+        engines = [r["pid"] for r in cluster.ranks]
+        parents = {psutil.Process(pid).ppid() for pid in engines}
+        assert parents == {warm_engines.server_pid()}
+        # (mpiexec's command line names the rank parent's module too: it has no engine)
+        rank_parents = [p for p in psutil.Process().children(recursive=True) if is_rank_parent(p)]
+        by_parent = {e.pid: p for p in rank_parents if (e := forked_engine(p)) is not None}
+        assert sorted(by_parent) == sorted(engines)
+        victim = engines[1]
+        by_parent[victim].kill()  # as the OOM killer might
+        assert wait_gone([victim], 10) == []
+        assert psutil.pid_exists(engines[0])
+
+
+def test_switched_off_engines_are_children_of_their_rank_parents(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(SWITCH_ENV, "0")
+    with axon_nb.Cluster(n=2) as cluster:
+        for pid in (r["pid"] for r in cluster.ranks):
+            assert is_rank_parent(psutil.Process(pid).parent())
+
+
+def test_a_server_that_does_not_answer_leaves_the_engine_to_a_process(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", ENGINE_MODULE, "--mpi"]
+    assert ForkedEngine.start(str(tmp_path), command, None) is None  # no socket
+    # a socket no process listens on any more
+    import socket
+
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(tmp_path / "engines.sock"))
+    dead.close()
+    assert ForkedEngine.start(str(tmp_path), command, None) is None
+    # another command is never sent to the server
+    assert ForkedEngine.start(str(tmp_path), [sys.executable, "-c", "pass"], None) is None
+
+
+def test_the_server_ends_with_the_kernel_and_takes_its_engines(tmp_path: Path) -> None:
+    """SIGKILL of a kernel whose cluster runs a cell: the server, its engines and everything
+    else that kernel started are gone within 15 s (the README's promise)."""
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "import time, axon_nb\n"
+        "from axon_nb.cluster import warm_engines\n"
+        "cluster = axon_nb.Cluster(n=2, timeout=30).start()\n"
+        "cluster.apply(cluster.targets(), time.sleep, 600)\n"
+        f"open({str(tmp_path / 'up')!r}, 'w').write(str(warm_engines.server_pid()))\n"
+        "time.sleep(600)\n"
+    )
+    kernel = psutil.Popen([sys.executable, str(script)], cwd=tmp_path)
+    everything: list[int] = []
+    try:
+        assert until(lambda: (tmp_path / "up").exists() or kernel.poll() is not None, 180)
+        assert kernel.poll() is None
+        server = int((tmp_path / "up").read_text())
+        assert until(lambda: len(psutil.Process(server).children()) == 2, 30)
+        everything = [p.pid for p in kernel.children(recursive=True)]
+        assert server in everything
+        os.kill(kernel.pid, signal.SIGKILL)
+        kernel.wait()
+        assert wait_gone(everything, 15) == []
+    finally:
+        for pid in [*everything, kernel.pid]:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
