@@ -12,7 +12,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import publish_display_data
 
-from axon_nb.cluster import Cluster
+from axon_nb.cluster import Cluster, warm_engines
 from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus, parse_hosts, read_hostfile
 from axon_nb.cluster.waiting import RankStreams
 from axon_nb.errors import NoClusterError
@@ -228,10 +228,10 @@ class AxonMagics(Magics):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def stop_cluster(self) -> None:
-        """Stop the kernel's cluster, if any."""
+    def stop_cluster(self, *, keep_warm: bool = False) -> None:
+        """Stop the kernel's cluster, if any (``keep_warm``: a start follows at once)."""
         if self.cluster is not None:
-            self.cluster.stop()
+            self.cluster.stop(keep_warm=keep_warm)
             self.cluster = None
 
     def _require_cluster(self) -> Cluster:
@@ -269,8 +269,12 @@ class AxonMagics(Magics):
         if new is None:
             assert self.cluster is not None
             new = Cluster(**dataclasses.asdict(self.cluster.options))
-        self.stop_cluster()
-        self._start(new)
+        self.stop_cluster(keep_warm=True)
+        try:
+            self._start(new)
+        except BaseException:
+            warm_engines.stop_if_idle()
+            raise
 
 
 def _cluster_from_args(args: Any) -> Cluster:

@@ -64,7 +64,7 @@ class ClusterPool:
             if self._healthy(cluster, options):
                 self._clusters[key] = (cluster, options)
                 return cluster
-            cluster.stop()
+            cluster.stop(keep_warm=True)  # (the next one's engines are forked at once)
         cluster = axon_nb.Cluster(n=n, timeout=timeout).start()
         self._clusters[key] = (cluster, dataclasses.replace(cluster.options))
         return cluster

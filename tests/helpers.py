@@ -12,7 +12,6 @@ from typing import Any
 import psutil
 
 import axon_nb
-from axon_nb.cluster import warm_engines
 
 
 def wait_gone(pids: list[int], seconds: float = 20.0) -> list[int]:
@@ -34,11 +33,9 @@ def _alive(pid: int) -> bool:
 
 
 def cluster_pids() -> list[int]:
-    """This process's descendants (its clusters' processes), except the warm process that
-    forks engines (``cluster/warm_engines.py``): it stays for the kernel's life, while the
-    engines it forked count."""
-    server = warm_engines.server_pid()
-    return [p.pid for p in psutil.Process().children(recursive=True) if p.pid != server]
+    """This process's descendants: its clusters' processes, their reaper, and the warm process
+    their engines were forked from (``cluster/warm_engines.py``), which a stop ends too."""
+    return [p.pid for p in psutil.Process().children(recursive=True)]
 
 
 def engine_pids(cluster: axon_nb.Cluster) -> list[int]:

@@ -43,22 +43,32 @@ def test_each_start_forks_fresh_engines_in_its_own_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    seen = []
-    for _ in range(2):
-        with axon_nb.Cluster(n=2) as cluster:
-            server = warm_engines.server_pid()
-            assert server is not None
-            facts = cluster.run(_engine_facts, stream=False)
+    cluster = axon_nb.Cluster(n=2).start()
+    try:
+        server = warm_engines.server_pid()
+        assert server is not None
+        first = cluster.run(_engine_facts, stream=False)
+        cluster.restart()
+        assert warm_engines.server_pid() == server  # a restart keeps it
+        second = cluster.run(_engine_facts, stream=False)
+        assert wait_gone([f["pid"] for f in first], 10) == []
+        for facts in (first, second):
             assert [f["ppid"] for f in facts] == [server, server]  # forked by the server
             assert {f["cwd"] for f in facts} == {str(tmp_path)}
             assert all(f["main"].endswith("axon_nb/rank/world/engine.py") for f in facts)
             assert len({f["draw"] for f in facts}) == 2  # numpy reseeded in each engine
-            seen.append(facts)
-        assert wait_gone([f["pid"] for f in facts], 10) == []
-        assert warm_engines.server_pid() == server  # the server stays for the next start
-    first, second = seen
-    assert first[0]["log"] != second[0]["log"]  # each cluster's own log: a fresh environment
-    assert {f["draw"] for f in first}.isdisjoint(f["draw"] for f in second)
+        assert first[0]["log"] != second[0]["log"]  # each start's own environment
+        assert {f["draw"] for f in first}.isdisjoint(f["draw"] for f in second)
+        # a second cluster of the kernel forks from the same server; stopping it keeps the
+        # server for the first one's sake
+        with axon_nb.Cluster(n=2) as other:
+            assert [f["ppid"] for f in other.run(_engine_facts, stream=False)] == [server] * 2
+        assert warm_engines.server_pid() == server
+        assert cluster.run(lambda: 1, stream=False) == [1, 1]
+    finally:
+        cluster.stop()
+    assert warm_engines.server_pid() is None  # the last stop ends it
+    assert wait_gone([server], 1) == []
 
 
 def test_a_rank_parent_that_dies_takes_its_forked_engine_along() -> None:
@@ -127,3 +137,24 @@ def test_the_server_ends_with_the_kernel_and_takes_its_engines(tmp_path: Path) -
         for pid in [*everything, kernel.pid]:
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
+
+
+def test_a_server_that_fails_leaves_engines_to_processes_and_says_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that dies (here: right after it listens) costs nothing but speed: each rank's
+    parent starts its engine as a process, and the next start warns once, with its output."""
+    failing = (
+        "import socket, sys; s = socket.socket(socket.AF_UNIX); "
+        "s.bind(sys.argv[1] + '/engines.sock'); print('no torch here'); sys.exit(3)"
+    )
+    monkeypatch.setattr(warm_engines, "SERVER_CMD", [sys.executable, "-c", failing])
+    monkeypatch.setattr(warm_engines, "_failed", False)
+    with (
+        pytest.warns(RuntimeWarning, match="(?s)engines start as new processes.*no torch here"),
+        axon_nb.Cluster(n=2) as cluster,
+    ):
+        assert cluster.run(lambda: 1, stream=False) == [1, 1]
+        for pid in (r["pid"] for r in cluster.ranks):
+            assert is_rank_parent(psutil.Process(pid).parent())
+    assert warm_engines.server_directory() is None  # once failed, not tried again

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import ipyparallel as ipp
 
 from axon_nb import ipykernel_sigint
-from axon_nb.cluster import features, mpi_leftovers, reaper, startup, stopping
+from axon_nb.cluster import features, mpi_leftovers, reaper, startup, stopping, warm_engines
 from axon_nb.cluster.control import held_interrupts
 from axon_nb.cluster.dask_on_ranks import DaskOnRanks
 from axon_nb.cluster.exposure import describe_exposure
@@ -147,11 +147,21 @@ class Cluster(Transport):
                 raise
             raise error from e
 
-    def stop(self) -> None:
+    def stop(self, *, keep_warm: bool = False) -> None:
         """Stop engines and controller. Safe to call twice. A Ctrl-C meanwhile is held until
-        everything is stopped (an interrupted stop would leave processes behind)."""
+        everything is stopped (an interrupted stop would leave processes behind).
+
+        The kernel's warm process for engines (``cluster/warm_engines.py``) ends too unless
+        another cluster's engines run, or ``keep_warm`` (a start follows at once). Example::
+
+            cluster.stop()
+        """
         with held_interrupts() as held:
-            self._stop()
+            try:
+                self._stop()
+            finally:
+                if not keep_warm:
+                    warm_engines.stop_if_idle()
         if held.arrived:
             print("(Ctrl-C was held until the cluster had stopped)", file=sys.stderr)
 
@@ -190,8 +200,12 @@ class Cluster(Transport):
         """
         if n is not None:
             self.options = dataclasses.replace(self.options, n=n)  # checked before stopping
-        self.stop()
-        return self.start()
+        self.stop(keep_warm=True)
+        try:
+            return self.start()
+        except BaseException:
+            warm_engines.stop_if_idle()
+            raise
 
     def __enter__(self) -> Cluster:
         return self.start() if not self.running else self

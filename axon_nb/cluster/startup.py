@@ -12,6 +12,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
+from axon_nb.cluster import stopping
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.rank_processes import RankProcesses
@@ -178,6 +179,7 @@ def wait_for_engines(
     n, timeout = options.n, options.start_timeout
     started = time.monotonic()
     seen: set[int] = set()  # engine processes that were alive at some point
+    parents_seen: set[int] = set()  # rank parents, likewise (one exits only with its engine)
     short_since: float | None = None  # since when an engine runs but a rank is missing
     local = options.engines == "mpi" and not options.multi_host
     ranks = RankProcesses(lambda: [launcher.pid for launcher in cluster.engines.values()], n)
@@ -186,10 +188,16 @@ def wait_for_engines(
         now = time.monotonic()
         parents, alive = ranks.poll() if local else ([], set())
         seen |= alive
+        parents_seen |= set(parents)
         failure = controller_failure(cluster)
         if failure is not None:
             raise ClusterStartError(failure)
-        stopped = any(launcher.state == "after" for launcher in cluster.engines.values())
+        # (an engine forked from the warm process may end before any poll sees it, and
+        # ipyparallel may not have noticed its launcher's exit yet)
+        launchers = list(cluster.engines.values())
+        stopped = any(launcher.state == "after" for launcher in launchers) or (
+            local and any(p.pid and not stopping.alive(p.pid) for p in launchers)
+        )
         # A rank process that exited at once may never be seen (and the others then wait in
         # MPI_Init for it): MPI's proxy starts them all together, so once an engine runs,
         # every rank's parent is there, or was.
@@ -198,7 +206,7 @@ def wait_for_engines(
         # A rank's engine that was running and is gone has exited (on a busy host the others
         # may not have been spawned yet: their absence says nothing).
         gone = short_since is not None and now - short_since > MISSING_RANK_S
-        if stopped or seen - alive or gone:
+        if stopped or seen - alive or parents_seen - set(parents) or gone:
             raise ClusterStartError(
                 f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
             )

@@ -1,17 +1,20 @@
 """The kernel's warm process for this host's engines (``spec/warm_engines.py``).
 
-Started the first time this kernel starts ranks on this host, it stays for the kernel's life:
-the next start, restart or recovery forks its engines from it instead of starting each as a
-new Python that imports torch (about 3 CPU-s per rank; a 2-rank start, one cell and a stop
-take about a quarter of the CPU: ``benchmarks/forked_engines.py``). It holds no GPU (it
-never touches CUDA) and no rank: ``cluster.stop()`` ends every engine as before. It ends
-when the kernel does, SIGKILLed or not (it watches its parent), with any engine still running.
+Started when this kernel starts ranks on this host, it lives as long as some cluster of the
+kernel runs: a start, restart or recovery forks its engines from it instead of starting each
+as a new Python that imports torch (about 3 CPU-s per rank; a 2-rank start, one cell and a
+stop take about a quarter of the CPU: ``benchmarks/forked_engines.py``). It holds no GPU (it
+never touches CUDA) and no rank. ``Cluster.stop`` ends it once no engine it forked runs (a
+restart keeps it for the start that follows); it also ends when the kernel does, SIGKILLed or
+not (it watches its parent), with any engine still running.
 
 Ranks on other hosts, in a Slurm job, or with ``AXON_NB_WARM_ENGINES=0`` in the kernel's
 environment start as new processes. Example::
 
-    directory = server_directory()  # starts it on first use; None when engines start plain
+    directory = server_directory()  # starts it if needed; None when engines start plain
     environment = {SERVER_ENV: directory} if directory else {}
+    ...
+    stop_if_idle()  # after a stop: ends it unless another cluster's engines run
 """
 
 from __future__ import annotations
@@ -23,8 +26,14 @@ import sys
 import tempfile
 import threading
 import time
+import warnings
+
+import psutil
 
 from axon_nb.spec.warm_engines import SWITCH_ENV, log_path, socket_path
+
+SERVER_CMD = [sys.executable, "-m", "axon_nb.rank.world.engine_server"]
+"""The server's command; its directory is added last."""
 
 SOCKET_WAIT_S = 10.0
 """How long a new server may take to listen before engines start without it."""
@@ -32,6 +41,7 @@ SOCKET_WAIT_S = 10.0
 _lock = threading.Lock()
 _server: subprocess.Popen[bytes] | None = None
 _directory: str | None = None
+_failed = False
 
 
 def server_directory() -> str | None:
@@ -43,14 +53,17 @@ def server_directory() -> str | None:
     with _lock:
         if _server is not None and _server.poll() is None:
             return _directory
+        _note_failure()
         if _directory is not None:
             shutil.rmtree(_directory, ignore_errors=True)
         _server, _directory = None, None
+        if _failed:
+            return None
         directory = tempfile.mkdtemp(prefix="axon-engines-")  # owner-only
         try:
             with open(log_path(directory), "ab") as log:
                 server = subprocess.Popen(
-                    [sys.executable, "-m", "axon_nb.rank.world.engine_server", directory],
+                    [*SERVER_CMD, directory],
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=log,
@@ -64,7 +77,10 @@ def server_directory() -> str | None:
             if server.poll() is not None or time.monotonic() > deadline:
                 server.kill()
                 server.wait()
+                _server, _directory = server, directory
+                _note_failure()
                 shutil.rmtree(directory, ignore_errors=True)
+                _server, _directory = None, None
                 return None
             time.sleep(0.02)
         _server, _directory = server, directory
@@ -79,9 +95,60 @@ def server_pid() -> int | None:
     return None
 
 
-def running_directory() -> str | None:
-    """The running server's directory without starting one (None if none runs)."""
+def stop_if_idle() -> None:
+    """End the server unless an engine it forked still runs (another cluster's)."""
+    global _server, _directory
     with _lock:
-        if _server is not None and _server.poll() is None:
-            return _directory
-    return None
+        if _server is None:
+            return
+        if _server.poll() is None and _running_children(_server.pid):
+            return
+        _note_failure()
+        _server.terminate()  # (it SIGKILLs what it forked, and removes its directory)
+        try:
+            _server.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            _server.kill()
+            _server.wait()
+        if _directory is not None:
+            shutil.rmtree(_directory, ignore_errors=True)
+        _server, _directory = None, None
+
+
+def _running_children(pid: int) -> list[int]:
+    """The children of ``pid`` that run (a zombie, an engine not yet reaped, has ended)."""
+    running = []
+    try:
+        children = psutil.Process(pid).children()
+    except psutil.Error:
+        return []
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                running.append(child.pid)
+        except psutil.Error:
+            continue
+    return running
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no output)"
+
+
+def _note_failure() -> None:
+    """(Holding the lock) if the server ended on its own with an error, warn once, with its
+    output, and start no other in this kernel."""
+    global _failed
+    if _server is None or _server.poll() in (None, 0) or _failed:
+        return
+    _failed = True
+    warnings.warn(
+        "axon_nb: the warm process for engines failed; engines start as new processes "
+        f"(slower). Its output:\n{_tail(log_path(_directory or ''))}",
+        RuntimeWarning,
+        stacklevel=3,
+    )

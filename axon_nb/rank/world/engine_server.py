@@ -52,12 +52,16 @@ def _preload() -> None:
     """What every engine imports (``rank/world/engine.py`` and the first requests' modules)."""
     import ipyparallel.engine.app  # noqa: F401
     import mpi4py  # noqa: F401  (the package only: the engine initializes MPI)
-    import torch.distributed  # noqa: F401
+    import torch
+    import torch.distributed
 
     import axon_nb.ipykernel_sigint
     import axon_nb.rank.entry
     import axon_nb.rank.world.bootstrap
     import axon_nb.rank.world.engine  # noqa: F401
+
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA: fork nothing
+        raise RuntimeError("CUDA was initialized while importing; engines start as processes")
 
 
 def _kill_tree(pid: int) -> None:
@@ -267,6 +271,10 @@ def main(argv: list[str]) -> int:
     server = _Server(argv[0])  # listening first: parents queue while it imports
     try:
         _preload()
+    except BaseException:
+        server.close()  # (its directory stays: the kernel shows this output, then removes it)
+        raise
+    try:
         server.serve()
     except SystemExit:
         pass
