@@ -270,11 +270,7 @@ class AxonMagics(Magics):
             assert self.cluster is not None
             new = Cluster(**dataclasses.asdict(self.cluster.options))
         self.stop_cluster(keep_warm=True)
-        try:
-            self._start(new)
-        except BaseException:
-            warm_engines.stop_if_idle()
-            raise
+        warm_engines.ended_on_failure(lambda: self._start(new))
 
 
 def _cluster_from_args(args: Any) -> Cluster:

@@ -148,20 +148,12 @@ class Cluster(Transport):
             raise error from e
 
     def stop(self, *, keep_warm: bool = False) -> None:
-        """Stop engines and controller. Safe to call twice. A Ctrl-C meanwhile is held until
-        everything is stopped (an interrupted stop would leave processes behind).
-
-        The kernel's warm process for engines (``cluster/warm_engines.py``) ends too unless
-        another cluster's engines run, or ``keep_warm`` (a start follows at once). Example::
-
-            cluster.stop()
-        """
+        """Stop engines, controller and the warm process for engines (``keep_warm``: not it).
+        Safe to call twice; a Ctrl-C meanwhile is held until everything is stopped."""
         with held_interrupts() as held:
-            try:
-                self._stop()
-            finally:
-                if not keep_warm:
-                    warm_engines.stop_if_idle()
+            self._stop()
+            if not keep_warm:
+                warm_engines.stop_if_idle()
         if held.arrived:
             print("(Ctrl-C was held until the cluster had stopped)", file=sys.stderr)
 
@@ -181,9 +173,7 @@ class Cluster(Transport):
             self._client.close()
             self._client = None
         if self._reaper is not None:
-            # Its work is done: the cluster is stopped (it would notice in its next poll).
-            self._reaper.terminate()
-            self._reaper.wait(timeout=10)
+            reaper.dismiss(self._reaper)
             self._reaper = None
         if self._watch is not None:
             self._watch.remove()
@@ -201,11 +191,7 @@ class Cluster(Transport):
         if n is not None:
             self.options = dataclasses.replace(self.options, n=n)  # checked before stopping
         self.stop(keep_warm=True)
-        try:
-            return self.start()
-        except BaseException:
-            warm_engines.stop_if_idle()
-            raise
+        return warm_engines.ended_on_failure(self.start)
 
     def __enter__(self) -> Cluster:
         return self.start() if not self.running else self

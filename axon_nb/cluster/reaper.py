@@ -46,6 +46,13 @@ def spawn(
     )
 
 
+def dismiss(watcher: subprocess.Popen[bytes]) -> None:
+    """End the watcher of a cluster that was stopped normally (its work is done; it would
+    notice in its next poll)."""
+    watcher.terminate()
+    watcher.wait(timeout=10)
+
+
 def watch(parent_pid: int, cluster_file: str) -> bool:
     """Block until the cluster is stopped normally (False) or its parent dies (True)."""
     while os.path.exists(cluster_file):

@@ -27,10 +27,14 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable
+from typing import TypeVar
 
 import psutil
 
 from axon_nb.spec.warm_engines import SWITCH_ENV, log_path, socket_path
+
+T = TypeVar("T")
 
 SERVER_CMD = [sys.executable, "-m", "axon_nb.rank.world.engine_server"]
 """The server's command; its directory is added last."""
@@ -113,6 +117,16 @@ def stop_if_idle() -> None:
         if _directory is not None:
             shutil.rmtree(_directory, ignore_errors=True)
         _server, _directory = None, None
+
+
+def ended_on_failure(start: Callable[[], T]) -> T:
+    """``start()``, ending the server (unless other engines run) if it fails: what a restart
+    kept it for did not come. Example: ``warm_engines.ended_on_failure(cluster.start)``."""
+    try:
+        return start()
+    except BaseException:
+        stop_if_idle()
+        raise
 
 
 def _running_children(pid: int) -> list[int]:
