@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -18,7 +20,7 @@ import axon_nb
 from axon_nb.cluster import warm_engines
 from axon_nb.cluster.stopping import forked_engine, is_rank_parent
 from axon_nb.rank.world.forked_engine import ENGINE_MODULE, ForkedEngine
-from axon_nb.spec.warm_engines import SWITCH_ENV
+from axon_nb.spec.warm_engines import SERVER_ENV, SWITCH_ENV, socket_path
 
 pytestmark = [
     pytest.mark.cluster,
@@ -63,7 +65,9 @@ def _forked_facts(cluster: axon_nb.Cluster, server: int) -> list[dict]:
     return facts
 
 
-def test_each_start_forks_fresh_engines_in_its_own_environment() -> None:
+def test_each_start_forks_fresh_engines_in_its_own_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     cluster = axon_nb.Cluster(n=2).start()
     try:
         server = warm_engines.server_pid()
@@ -74,6 +78,7 @@ def test_each_start_forks_fresh_engines_in_its_own_environment() -> None:
         second = _forked_facts(cluster, server)
         assert wait_gone([f["pid"] for f in first], 10) == []
         assert first[0]["log"] != second[0]["log"]  # each start's own environment
+        assert "RuntimeWarning" not in cluster.log.path.read_text()  # type: ignore[union-attr]
         assert {f["draw"] for f in first}.isdisjoint(f["draw"] for f in second)
         # a second cluster of the kernel forks from the same server; stopping it keeps the
         # server for the first one's sake
@@ -81,21 +86,47 @@ def test_each_start_forks_fresh_engines_in_its_own_environment() -> None:
             _forked_facts(other, server)
         assert warm_engines.server_pid() == server
         assert cluster.run(lambda: 1, stream=False) == [1, 1]
+        # a setting read as torch loads: the next start's engines come from a new server
+        monkeypatch.setenv("OMP_AXON_TEST", "1")
+        cluster.restart()
+        assert warm_engines.server_pid() not in (None, server)
+        assert wait_gone([server], 10) == []
+        server = warm_engines.server_pid()
+        _forked_facts(cluster, server)
     finally:
         cluster.stop()
     assert warm_engines.server_pid() is None  # the last stop ends it
     assert wait_gone([server], 1) == []
 
 
-def test_a_rank_parent_that_dies_takes_its_forked_engine_along() -> None:
+def test_a_bad_request_ends_nothing_and_a_rank_ends_as_under_its_parent() -> None:
     with axon_nb.Cluster(n=2, timeout=30) as cluster:
         engines = [r["pid"] for r in cluster.ranks]
-        parents = {psutil.Process(pid).ppid() for pid in engines}
-        assert parents == {warm_engines.server_pid()}
+        server = warm_engines.server_pid()
+        assert {psutil.Process(pid).ppid() for pid in engines} == {server}
+        directory = _rank_parent(engines[0]).environ()[SERVER_ENV]
+        # requests the server refuses: it and every engine go on
+        for request in (b"{}\n", b"not json\n", b'{"fd_numbers": [0, 1]}\n'):
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.connect(socket_path(directory))
+                conn.sendall(request)
+                assert conn.recv(100) == b""  # closed, no engine forked
+        assert cluster.run(lambda: 1, stream=False) == [1, 1]
+        assert warm_engines.server_pid() == server
+        # an engine killed: its parent learns how it ended (from the server, which reaped
+        # it), and keeps the rank's MPI slot until the stop, as for an engine of its own
+        parent = _rank_parent(engines[0])
+        os.kill(engines[0], signal.SIGKILL)
+        assert wait_gone([engines[0]], 10) == []
+        time.sleep(1.0)
+        assert parent.is_running() and psutil.pid_exists(engines[1])
+        log = cluster.log.path  # type: ignore[union-attr]
+        # a rank's parent killed (as the OOM killer might): its engine goes with it (MPI's
+        # process manager then ends the rest)
         victim = engines[1]
-        _rank_parent(victim).kill()  # as the OOM killer might
+        _rank_parent(victim).kill()
         assert wait_gone([victim], 10) == []
-        assert psutil.pid_exists(engines[0])
+    assert f"engine {engines[0]} was killed by signal 9" in log.read_text()  # (copied at stop)
 
 
 def test_switched_off_engines_are_children_of_their_rank_parents(
@@ -111,8 +142,6 @@ def test_a_server_that_does_not_answer_leaves_the_engine_to_a_process(tmp_path: 
     command = [sys.executable, "-m", ENGINE_MODULE, "--mpi"]
     assert ForkedEngine.start(str(tmp_path), command, None) is None  # no socket
     # a socket no process listens on any more
-    import socket
-
     dead = socket.socket(socket.AF_UNIX)
     dead.bind(str(tmp_path / "engines.sock"))
     dead.close()
@@ -162,6 +191,7 @@ def test_a_server_that_fails_leaves_engines_to_processes_and_says_why(
     )
     monkeypatch.setattr(warm_engines, "SERVER_CMD", [sys.executable, "-c", failing])
     monkeypatch.setattr(warm_engines, "_failed", False)
+    assert warm_engines.server_pid() is None
     with (
         pytest.warns(RuntimeWarning, match="(?s)engines start as new processes.*no torch here"),
         axon_nb.Cluster(n=2) as cluster,

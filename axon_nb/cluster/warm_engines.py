@@ -19,6 +19,7 @@ environment start as new processes. Example::
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import subprocess
@@ -28,6 +29,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import psutil
@@ -45,6 +47,7 @@ SOCKET_WAIT_S = 10.0
 _lock = threading.Lock()
 _server: subprocess.Popen[bytes] | None = None
 _directory: str | None = None
+_started_with: tuple[object, ...] = ()
 _failed = False
 
 
@@ -54,15 +57,18 @@ def server_directory() -> str | None:
     global _server, _directory
     if os.environ.get(SWITCH_ENV, "1") == "0":
         return None
+    global _started_with
+    fingerprint = _fingerprint()
     with _lock:
         if _server is not None and _server.poll() is None:
-            return _directory
-        _note_failure()
-        if _directory is not None:
-            shutil.rmtree(_directory, ignore_errors=True)
-        _server, _directory = None, None
+            if fingerprint == _started_with:
+                return _directory
+            if _running_children(_server.pid):  # another cluster's engines run on it
+                return None
+        _end_server()  # (gone, or started with other packages or settings: a new one)
         if _failed:
             return None
+        _started_with = fingerprint
         directory = tempfile.mkdtemp(prefix="axon-engines-")  # owner-only
         try:
             with open(log_path(directory), "ab") as log:
@@ -101,22 +107,48 @@ def server_pid() -> int | None:
 
 def stop_if_idle() -> None:
     """End the server unless an engine it forked still runs (another cluster's)."""
-    global _server, _directory
     with _lock:
         if _server is None:
             return
         if _server.poll() is None and _running_children(_server.pid):
             return
+        _end_server()
+
+
+def _end_server() -> None:
+    """(Holding the lock) end the server, if any, and remove its directory."""
+    global _server, _directory
+    if _server is not None:
         _note_failure()
-        _server.terminate()  # (it SIGKILLs what it forked, and removes its directory)
+        _server.terminate()  # (it SIGKILLs what it forked)
         try:
             _server.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             _server.kill()
             _server.wait()
-        if _directory is not None:
-            shutil.rmtree(_directory, ignore_errors=True)
-        _server, _directory = None, None
+    if _directory is not None:
+        shutil.rmtree(_directory, ignore_errors=True)
+    _server, _directory = None, None
+
+
+LOAD_TIME_ENV = ("LD_", "OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "PYTHON", "TORCH_")
+"""Settings read as libraries and modules load: the server's copy of them is its engines'."""
+
+
+def _fingerprint() -> tuple[object, ...]:
+    """What the server's imports depend on (this interpreter, the load-time settings, the
+    installed versions, axon_nb's sources): a change means a new server, so that engines
+    stay what a new process would be (after ``%pip install -U torch``, say)."""
+    environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(LOAD_TIME_ENV))
+    versions = []
+    for package in ("torch", "ipyparallel", "ipykernel", "mpi4py", "numpy"):
+        try:
+            versions.append(importlib.metadata.version(package))
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(None)
+    sources = Path(__file__).resolve().parent.parent
+    newest = max((p.stat().st_mtime for p in sources.rglob("*.py")), default=0.0)
+    return (sys.executable, tuple(environment), tuple(versions), newest)
 
 
 def ended_on_failure(start: Callable[[], T]) -> T:

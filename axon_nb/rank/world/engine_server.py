@@ -32,6 +32,7 @@ import signal
 import socket
 import struct
 import sys
+import threading
 import time
 
 import psutil
@@ -57,11 +58,13 @@ def _preload() -> None:
 
     import axon_nb.ipykernel_sigint
     import axon_nb.rank.entry
-    import axon_nb.rank.world.bootstrap
-    import axon_nb.rank.world.engine  # noqa: F401
+    import axon_nb.rank.world.bootstrap  # noqa: F401
 
+    # (not the engine module itself: it runs as __main__ in each child, as `python -m` runs it)
     if torch.cuda.is_initialized():  # a forked child could not use CUDA: fork nothing
         raise RuntimeError("CUDA was initialized while importing; engines start as processes")
+    if threading.active_count() > 1:  # a thread would be missing, maybe holding a lock
+        raise RuntimeError("a thread was started while importing; engines start as processes")
 
 
 def _kill_tree(pid: int) -> None:
@@ -85,17 +88,31 @@ def _peer_pid(conn: socket.socket) -> int:
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One request: JSON ending in a newline; the descriptors come with its first bytes."""
+    """One request: JSON ending in a newline; the descriptors come with its first bytes.
+    Refused (its descriptors closed) when incomplete, or when its parent has gone since."""
     conn.settimeout(10.0)
-    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, MAX_FDS)
-    while not data.endswith(b"\n"):
-        more = conn.recv(1 << 16)
-        if not more:
-            for fd in fds:
-                os.close(fd)
-            raise ConnectionError("the request ended early")
-        data += more
-    return json.loads(data), fds
+    data, fds, flags, _ = socket.recv_fds(conn, 1 << 16, MAX_FDS)
+    try:
+        if flags & socket.MSG_CTRUNC:
+            raise ValueError(f"more than {MAX_FDS} descriptors")
+        while not data.endswith(b"\n"):
+            more = conn.recv(1 << 16)
+            if not more:
+                raise ConnectionError("the request ended early")
+            data += more
+        request = json.loads(data)
+        if len(request["fd_numbers"]) != len(fds):
+            raise ValueError("the descriptors do not match their numbers")
+        conn.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            if conn.recv(1, socket.MSG_PEEK) == b"":
+                raise ConnectionError("the rank's parent gave up waiting")
+        conn.setblocking(True)
+        return request, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
 
 
 class _Server:
@@ -131,34 +148,46 @@ class _Server:
             self._reap()
 
     def _accept(self) -> None:
-        conn, _ = self.listener.accept()
+        """Fork the engine one rank's parent asks for. A request that fails (its parent then
+        starts the engine as a process) never ends the server, whose other engines run."""
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
         try:
             parent = _peer_pid(conn)
             request, fds = _read_request(conn)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, KeyError) as e:
             print(f"axon_nb engine server: refused a request: {e}", file=sys.stderr, flush=True)
             conn.close()
             return
-        server_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            self._become_engine(request, fds, conn, server_pid)
-        for fd in fds:
-            os.close(fd)
+        try:
+            server_pid = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                self._become_engine(request, fds, conn, server_pid)
+        except OSError as e:  # (no memory or process left for it)
+            print(f"axon_nb engine server: could not fork: {e}", file=sys.stderr, flush=True)
+            conn.close()
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
         self.engines[pid] = (conn, parent)
-        record = os.path.join(engines_dir(self.directory), str(parent))
-        with open(record + ".new", "w") as f:
-            f.write(str(pid))
-        os.replace(record + ".new", record)
         with contextlib.suppress(OSError):
+            record = os.path.join(engines_dir(self.directory), str(parent))
+            with open(record + ".new", "w") as f:
+                f.write(str(pid))
+            os.replace(record + ".new", record)
             conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         self.selector.register(conn, selectors.EVENT_READ)
 
     def _closed(self, conn: socket.socket) -> None:
         """A parent's connection is readable: it closed. SIGKILL its engine if that runs."""
+        conn.setblocking(False)
         with contextlib.suppress(OSError):
-            if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                return  # (a parent sends nothing more; ignore stray bytes)
+            if conn.recv(4096):
+                return  # (a parent sends nothing more: stray bytes are dropped)
         for pid, (engine_conn, _) in list(self.engines.items()):
             if engine_conn is conn:
                 _kill_tree(pid)  # reaped, and forgotten, by _reap
@@ -222,12 +251,16 @@ class _Server:
             with contextlib.suppress(BaseException):
                 sys.stdout.flush()
                 sys.stderr.flush()
-            os._exit(code)
+            if code < 0:  # ended by this signal, as Python ends on an uncaught Ctrl-C
+                signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
+            os._exit(code if code >= 0 else 128 - code)
 
 
 def _take_descriptors(fds: list[int], numbers: list[int]) -> None:
     """Put the received ``fds`` at the ``numbers`` they had in the rank's parent."""
-    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1000) for fd in fds]  # out of the targets' way
+    above = max([2, *numbers]) + 1  # out of the targets' way
+    moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, above) for fd in fds]
     for fd in fds:
         os.close(fd)
     for number, fd in zip(numbers, moved, strict=True):
@@ -254,13 +287,18 @@ def _run_engine(request: dict) -> int:
         runpy.run_module(ENGINE_MODULE, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException as e:
         import traceback
 
         traceback.print_exc()
-        code = 1
+        code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
+    # As an interpreter exits: wait for its other threads, then run the atexit functions.
     with contextlib.suppress(BaseException):
-        atexit._run_exitfuncs()  # (what a process the parent started runs as it exits)
+        threading._shutdown()  # type: ignore[attr-defined]
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
     return code
 
 

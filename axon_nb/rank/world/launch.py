@@ -133,6 +133,8 @@ def main(argv: list[str]) -> int:
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, pass_on)
+    if isinstance(child, ForkedEngine):  # (not in this process group: hydra's notice, passed on)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: _send_quietly(child, signum))
     if os.getppid() != parent:  # it died before the death signal was set
         pass_on(signal.SIGTERM, None)
     code = _wait(child, stopping)
@@ -147,6 +149,11 @@ def main(argv: list[str]) -> int:
     while stopping.since is None:
         signal.pause()
     return 128 - code
+
+
+def _send_quietly(child: ForkedEngine, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        child.send_signal(signum)
 
 
 def _start_engine(argv: list[str], output: int | None) -> subprocess.Popen[bytes] | ForkedEngine:
