@@ -4,16 +4,16 @@ Both are measured alternately in the same run (the machine is noisy). Each start
 down into its phases, timed where the kernel waits for them:
 
 - controller: ipyparallel's controller process up and its connection files written;
-- engines launched: `mpiexec` started (the engines import ipyparallel, and torch on a side
-  thread, from here on);
+- engines launched: `mpiexec` started (from here on each rank's parent asks the warm
+  process, ``cluster/warm_engines.py``, to fork its engine; on a first start that process
+  imports torch meanwhile, once for all ranks);
 - engines connected: every engine registered and seen by the controller's heartbeat;
 - world joined: every rank bound to its device and in `init_process_group`;
 - first cell: a `%%axon` cell with one all-reduce.
 
-Each repeat runs in a new process, like a new kernel: its first start is cold (the kernel's
-warm process for engines, ``cluster/warm_engines.py``, starts with it and imports torch once
-for all its ranks); a second start in the same process forks its engines from the warm
-process, as a restart or the next ``%axon_cluster`` does.
+Each repeat runs in a new process, like a new kernel: its first start (the warm process starts
+with it), then ``%axon_cluster --restart``, timed from its ``Cluster.start`` (after the old
+ranks' stop), whose engines are forked from the warm process as it was left.
 
 The last line is the ratio of medians (first start / import torch). Target: <= 2.0.
 
@@ -36,6 +36,7 @@ import ipyparallel as ipp
 from IPython.core.interactiveshell import InteractiveShell
 
 from axon_nb.cluster import startup
+from axon_nb.cluster.cluster import Cluster
 
 PHASES = ["controller", "engines launched", "engines connected", "world joined", "first cell"]
 
@@ -46,6 +47,16 @@ class Clock:
     def __init__(self) -> None:
         self.marks: dict[str, float] = {}
         self.start = 0.0
+
+    def starts_at(self, owner: Any, name: str) -> None:
+        """Start the clock as ``owner.name`` is called."""
+        original: Callable[..., Any] = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self.start = time.perf_counter()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, timed)
 
     def wrap(self, owner: Any, name: str, phase: str) -> None:
         original: Callable[..., Any] = getattr(owner, name)
@@ -70,16 +81,15 @@ class Clock:
         return times
 
 
-def start_once(shell: InteractiveShell, n: int, clock: Clock) -> float:
+def start_once(shell: InteractiveShell, line: str, clock: Clock) -> float:
+    """``%axon_cluster LINE`` (a start, or ``--restart``), then a first cell: the seconds from
+    ``Cluster.start`` (a restart's stop of the old ranks comes before it) to the cell's end."""
     clock.marks = {}
-    clock.start = time.perf_counter()
-    shell.run_line_magic("axon_cluster", str(n))
+    shell.run_line_magic("axon_cluster", line)
     cell = "import torch\nt = torch.ones(1)\ntorch.distributed.all_reduce(t)"
     shell.run_cell_magic("axon", "--no-stream", cell)
     clock.marks["first cell"] = time.perf_counter()
-    elapsed = clock.marks["first cell"] - clock.start
-    shell.run_line_magic("axon_cluster", "--stop")
-    return elapsed
+    return clock.marks["first cell"] - clock.start
 
 
 def import_torch() -> float:
@@ -89,8 +99,10 @@ def import_torch() -> float:
 
 
 def kernel(n: int) -> None:
-    """(In a new process) a cold start, then a warm one; their phases as one JSON line."""
+    """(In a new process) a first start, then a restart, whose engines are forked from the
+    warm process; their phases as one JSON line."""
     clock = Clock()
+    clock.starts_at(Cluster, "start")
     clock.wrap(ipp.Cluster, "start_controller", "controller")
     clock.wrap(ipp.Cluster, "start_engines", "engines launched")
     clock.wrap(startup, "wait_for_engines", "engines connected")
@@ -98,9 +110,10 @@ def kernel(n: int) -> None:
     shell = InteractiveShell.instance()
     shell.extension_manager.load_extension("axon_nb")
     starts = []
-    for _ in range(2):
-        seconds = start_once(shell, n, clock)
+    for line in (str(n), "--restart"):
+        seconds = start_once(shell, line, clock)
         starts.append({"seconds": seconds, **clock.phases()})
+    shell.run_line_magic("axon_cluster", "--stop")
     print(json.dumps(starts), flush=True)
 
 
@@ -135,8 +148,8 @@ def main() -> None:
                 cold.append(first)
                 warm.append(second)
                 print(f"run {i} first start {first['seconds']:6.2f} s, "
-                      f"next start {second['seconds']:6.2f} s", flush=True)  # fmt: skip
-    for label, starts in (("next start (warm engines)", warm), ("first start", cold)):
+                      f"restart's start {second['seconds']:6.2f} s", flush=True)  # fmt: skip
+    for label, starts in (("restart's start (warm engines)", warm), ("first start", cold)):
         print(f"\n{label} of {args.ranks} ranks, median of {args.repeats}:")
         for phase in PHASES:
             print(f"  {phase:18s} {statistics.median(s[phase] for s in starts):5.2f} s")
@@ -144,10 +157,10 @@ def main() -> None:
     a = statistics.median(s["seconds"] for s in cold)
     b = statistics.median(torch_times)
     firsts = [s["seconds"] for s in cold]
-    print(f"\nnext start median {w:.2f} s; first start median {a:.2f} s "
+    print(f"\nrestart's start median {w:.2f} s; first start median {a:.2f} s "
           f"(min {min(firsts):.2f}, max {max(firsts):.2f}); "
           f"`python -c 'import torch'` median {b:.2f} s")  # fmt: skip
-    print(f"ratio next start/import torch: {w / b:.3f}")
+    print(f"ratio restart's start/import torch: {w / b:.3f}")
     print(f"ratio first start/import torch: {a / b:.3f}")
 
 

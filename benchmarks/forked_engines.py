@@ -2,15 +2,17 @@
 started as new processes (``cluster/warm_engines.py``; ``AXON_NB_WARM_ENGINES=0``).
 
 A rank's engine spends most of its start importing torch (and ipyparallel, and axon_nb's rank
-modules). The warm process has imported them once; each start's engines are forked from it.
-Alternating in the same run:
+modules). The warm process imports them once for all ranks; each engine is forked from it.
+Each row is ``Cluster(n=2).start()``, one cell and ``stop()``, alternating in the same run:
 
-- plain: ``Cluster(n=2).start()``, one cell, ``stop()``, each engine a new process;
-- forked: the same, each engine forked from the warm process.
+- plain: each engine a new process;
+- first: forked engines, the warm process started with the cluster and ended by its stop (a
+  kernel's first start);
+- warm: forked engines, from a warm process that was already running and stays (what a
+  restart or recovery gets: ``stop(keep_warm=True)``).
 
-Each row is the CPU of this process and everything it waited for, plus the warm process and
-the engines it forked and reaped (its own imports, done before the first row, excluded). The
-last line is the ratio of medians (forked / plain).
+A row's CPU is this process's and everything it waited for, plus the warm process's and the
+engines it reaped. The last lines are the ratios of medians against plain.
 
     python benchmarks/forked_engines.py [--ranks 2] [--repeats 4]
 """
@@ -42,26 +44,39 @@ def _settled(pid: int) -> None:
         time.sleep(1.0)
 
 
+def _row(ranks: int, switch: str, keep_warm: bool, server: int | None) -> float:
+    os.environ[SWITCH_ENV] = switch
+    before = _cpu_s(os.getpid()) + (_cpu_s(server) if server else 0.0)
+    cluster = axon_nb.Cluster(n=ranks, oversubscribe=True).start()
+    assert cluster.run(lambda: 1, stream=False) == [1] * ranks
+    cluster.stop(keep_warm=keep_warm)
+    time.sleep(1.0)  # the warm process reaps its engines
+    return _cpu_s(os.getpid()) + (_cpu_s(server) if server else 0.0) - before
+
+
 def measure(ranks: int, repeats: int) -> None:
-    os.environ[SWITCH_ENV] = "1"
-    warm_engines.server_directory()
-    server = warm_engines.server_pid()
-    assert server is not None, "the warm process did not start"
-    _settled(server)
-    rows: dict[str, list[float]] = {"plain": [], "forked": []}
+    rows: dict[str, list[float]] = {"plain": [], "warm": [], "first": []}
     for _ in range(repeats):
         for name in rows:
-            os.environ[SWITCH_ENV] = "0" if name == "plain" else "1"
-            before = _cpu_s(os.getpid()) + _cpu_s(server)
-            with axon_nb.Cluster(n=ranks, oversubscribe=True) as cluster:
-                assert cluster.run(lambda: 1, stream=False) == [1] * ranks
-            time.sleep(1.0)  # the warm process reaps its engines
-            cpu = _cpu_s(os.getpid()) + _cpu_s(server) - before
+            server = None
+            if name == "warm":  # started, and done importing, before the row
+                os.environ[SWITCH_ENV] = "1"
+                warm_engines.server_directory()
+                server = warm_engines.server_pid()
+                assert server is not None, "the warm process did not start"
+                _settled(server)
+            switch = "0" if name == "plain" else "1"
+            cpu = _row(ranks, switch, keep_warm=name == "warm", server=server)
+            if name == "warm":
+                warm_engines.stop_if_idle()
             rows[name].append(cpu)
-            print(f"{name:7s} start, one cell, stop: {cpu:.2f} CPU-s", flush=True)
-    plain, forked = (statistics.median(rows[name]) for name in ("plain", "forked"))
-    print(f"\n{ranks} ranks, median of {repeats}: plain {plain:.2f} CPU-s, forked {forked:.2f}")
-    print(f"ratio forked/plain: {forked / plain:.3f}")
+            print(f"{name:6s} start, one cell, stop: {cpu:.2f} CPU-s", flush=True)
+    medians = {name: statistics.median(values) for name, values in rows.items()}
+    print(f"\n{ranks} ranks, median of {repeats}: " + ", ".join(
+        f"{name} {value:.2f} CPU-s" for name, value in medians.items()
+    ))  # fmt: skip
+    print(f"ratio first/plain: {medians['first'] / medians['plain']:.3f}")
+    print(f"ratio warm/plain: {medians['warm'] / medians['plain']:.3f}")
 
 
 def main() -> None:
