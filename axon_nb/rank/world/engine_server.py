@@ -35,9 +35,7 @@ import sys
 import threading
 import time
 
-import psutil
-
-from axon_nb.rank.world.launch import set_death_signal
+from axon_nb.rank.world.launch import kill_tree, set_death_signal
 from axon_nb.spec.warm_engines import engines_dir, socket_path
 
 PARENT_POLL_S = 0.5
@@ -65,18 +63,6 @@ def _preload() -> None:
         raise RuntimeError("CUDA was initialized while importing; engines start as processes")
     if threading.active_count() > 1:  # a thread would be missing, maybe holding a lock
         raise RuntimeError("a thread was started while importing; engines start as processes")
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL engine ``pid`` and what it started (its nanny: collected first)."""
-    try:
-        root = psutil.Process(pid)
-        tree = [*root.children(recursive=True), root]
-    except psutil.Error:
-        return
-    for proc in tree:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
 
 
 def _peer_pid(conn: socket.socket) -> int:
@@ -190,7 +176,7 @@ class _Server:
                 return  # (a parent sends nothing more: stray bytes are dropped)
         for pid, (engine_conn, _) in list(self.engines.items()):
             if engine_conn is conn:
-                _kill_tree(pid)  # reaped, and forgotten, by _reap
+                kill_tree(pid)  # reaped, and forgotten, by _reap
         self.selector.unregister(conn)
 
     def _reap(self) -> None:
@@ -213,7 +199,7 @@ class _Server:
     def close(self) -> None:
         """The kernel is gone (or SIGTERM): the engines go too."""
         for pid in list(self.engines):
-            _kill_tree(pid)
+            kill_tree(pid)
         deadline = time.monotonic() + 5.0
         while self.engines and time.monotonic() < deadline:
             self._reap()

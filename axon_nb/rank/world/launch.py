@@ -76,7 +76,7 @@ def _engine_output() -> int | None:
         return None
 
 
-def _kill_tree(pid: int) -> None:
+def kill_tree(pid: int) -> None:
     """SIGKILL ``pid`` and every process below it (collected first: the nanny, in a session
     of its own, would be re-parented once the engine is gone)."""
     try:
@@ -124,7 +124,7 @@ def main(argv: list[str]) -> int:
         if signum != signal.SIGINT and stopping.since is None:
             stopping.since = time.monotonic()
             signum = signal.SIGTERM
-            stopping.kill_timer = threading.Timer(TERM_S, _kill_tree, args=(child.pid,))
+            stopping.kill_timer = threading.Timer(TERM_S, kill_tree, args=(child.pid,))
             stopping.kill_timer.daemon = True
             stopping.kill_timer.start()
         if child.returncode is None:
