@@ -54,10 +54,9 @@ _failed = False
 def server_directory() -> str | None:
     """The running server's directory, started if needed; None when it is switched off or
     did not start (engines then start as new processes, as before)."""
-    global _server, _directory
+    global _server, _directory, _started_with
     if os.environ.get(SWITCH_ENV, "1") == "0":
         return None
-    global _started_with
     fingerprint = _fingerprint()
     with _lock:
         if _server is not None and _server.poll() is None:
@@ -88,9 +87,7 @@ def server_directory() -> str | None:
                 server.kill()
                 server.wait()
                 _server, _directory = server, directory
-                _note_failure()
-                shutil.rmtree(directory, ignore_errors=True)
-                _server, _directory = None, None
+                _end_server()  # (warns with its output, removes its directory)
                 return None
             time.sleep(0.02)
         _server, _directory = server, directory

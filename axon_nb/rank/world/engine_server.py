@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 
+from axon_nb.rank.world.forked_engine import ENGINE_MODULE
 from axon_nb.rank.world.launch import kill_tree, set_death_signal
 from axon_nb.spec.warm_engines import engines_dir, socket_path
 
@@ -43,8 +44,6 @@ PARENT_POLL_S = 0.5
 
 MAX_FDS = 64
 """The most file descriptors one request may carry."""
-
-ENGINE_MODULE = "axon_nb.rank.world.engine"
 
 
 def _preload() -> None:
@@ -71,6 +70,11 @@ def _peer_pid(conn: socket.socket) -> int:
     if uid != os.getuid():
         raise PermissionError(f"a process of user {uid} asked for an engine")
     return pid
+
+
+def _answer(conn: socket.socket, message: dict) -> None:
+    """One reply to a rank's parent: a JSON line (``{"pid": ...}``, then ``{"exit": ...}``)."""
+    conn.sendall(json.dumps(message).encode() + b"\n")
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -165,7 +169,7 @@ class _Server:
             with open(record + ".new", "w") as f:
                 f.write(str(pid))
             os.replace(record + ".new", record)
-            conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+            _answer(conn, {"pid": pid})
         self.selector.register(conn, selectors.EVENT_READ)
 
     def _closed(self, conn: socket.socket) -> None:
@@ -190,8 +194,7 @@ class _Server:
                     os.remove(os.path.join(engines_dir(self.directory), str(parent)))
                 if conn is not None:
                     with contextlib.suppress(OSError):
-                        message = {"exit": os.waitstatus_to_exitcode(status)}
-                        conn.sendall(json.dumps(message).encode() + b"\n")
+                        _answer(conn, {"exit": os.waitstatus_to_exitcode(status)})
                     with contextlib.suppress(KeyError, ValueError):
                         self.selector.unregister(conn)
                     conn.close()
