@@ -43,6 +43,7 @@ def test_the_waits_fit_the_promise() -> None:
 
 @pytest.mark.parametrize("mode", ["train", "sleep", "collective", "native"])
 def test_stop_ends_busy_ranks(mode: str) -> None:
+    threads = set(threading.enumerate())
     cluster = axon_nb.Cluster(n=2, timeout=60).start()
     pids = cluster_pids()
     assert len(pids) >= 8  # controller, mpiexec, reaper, and 3 per rank
@@ -51,6 +52,12 @@ def test_stop_ends_busy_ranks(mode: str) -> None:
     cluster.stop()
     assert wait_gone(pids, seconds=0.5) == []
     assert time.monotonic() - started < STOP_S
+    # nor does anything of it go on in the kernel: a run's monitor thread ends with its ranks
+    # (it polled ten times a second for the rest of the kernel's life)
+    monitors = [t for t in set(threading.enumerate()) - threads if t.name == "axon-train-monitor"]
+    for thread in monitors:
+        thread.join(timeout=2.0)
+    assert not any(t.is_alive() for t in monitors)
 
 
 @pytest.mark.parametrize(("engines", "n"), [("local", 2), ("mpi", 4)])

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import ipyparallel as ipp
 
 from axon_nb.cluster.hangs import HangWatch
-from axon_nb.cluster.waiting import describe_error, results, wait_for_output
+from axon_nb.cluster.waiting import describe_error, results
 from axon_nb.errors import RankError
 from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.result import TrainResult, build_result, merge_records
@@ -27,6 +27,8 @@ SOFT_STOP_S = 120.0
 LAST_PUBLICATION_S = 10.0
 """Once a rank's result is in, how long its last publication (its final status) may trail it:
 the publication goes out on the engine's IOPub thread, the result on its shell socket."""
+FINAL_STATUSES = ("finished", "stopped", "failed")
+"""A rank's status in its last publication of a run (``axon_nb.metrics/1``)."""
 
 
 class MetricsListener(Protocol):
@@ -66,6 +68,9 @@ class TrainHandle:
         interrupted: bool = False,
     ) -> None:
         self._cluster = cluster
+        self._client = cluster.client
+        """The client the run went out on: once the cluster stops or restarts, its results
+        never come, and the monitor ends."""
         self._interrupted = interrupted
         """A Ctrl-C came while the run was being sent: the first wait delivers it."""
         self._ar = ar
@@ -149,8 +154,12 @@ class TrainHandle:
         parts = sorted(self._parts.items())
         return [part.get() for _, part in parts if part.ready() and part.successful()]
 
+    def _cluster_gone(self) -> bool:
+        """The ranks the run went to are gone (the cluster stopped or restarted)."""
+        return not self._cluster.running or self._cluster.client is not self._client
+
     def _watch(self) -> None:
-        while not self._ar.ready() and not self._failed.is_set():
+        while not self._ar.ready() and not self._failed.is_set() and not self._cluster_gone():
             self.poll()
             with self._lock:
                 for listener in self._listeners:
@@ -166,17 +175,34 @@ class TrainHandle:
             for rank, part in self._parts.items()
             if part.ready() and not part.successful()
         }
+        if not self._ar.ready() and self._cluster_gone():
+            gone = {r: "the cluster stopped" for r, p in self._parts.items() if not p.ready()}
+            failures.update(gone)
         with self._lock:
             self._ended = failures
             for listener in self._listeners:
                 listener.done(failures)
 
     def _wait_for_last_publications(self) -> None:
-        """Wait until the finished ranks' last publications are in (ipyparallel's output of a
-        call ends with its data): read before them, the dashboard froze with a rank "running"
-        whose result said "stopped". A rank that failed is shown failed from its error."""
+        """Wait until the finished ranks' last publications are in: read before them, the
+        dashboard froze with a rank "running" whose result said "stopped". A rank that failed
+        is shown failed from its error.
+
+        Each rank's last publication carries its final status, so that is what is waited for
+        (or ipyparallel's word that the call's output is complete, whichever comes first): an
+        engine's idle status, which that word waits for, can go missing, and each run then
+        waited ``LAST_PUBLICATION_S`` for nothing."""
         finished = {r: p for r, p in self._parts.items() if p.ready() and p.successful()}
-        wait_for_output(finished, LAST_PUBLICATION_S)
+        end = time.monotonic() + LAST_PUBLICATION_S
+        while time.monotonic() < end:
+            self.poll()
+            with self._lock:
+                final = all(
+                    self._latest.get(r, {}).get("status") in FINAL_STATUSES for r in finished
+                )
+            if final or all(p.wait_for_output(0) for p in finished.values()):
+                return
+            time.sleep(MONITOR_S / 5)
 
     def _steps(self) -> tuple[tuple[int, int], ...]:
         with self._lock:
