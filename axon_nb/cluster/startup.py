@@ -13,6 +13,7 @@ from typing import Any
 import ipyparallel as ipp
 
 from axon_nb.cluster import stopping
+from axon_nb.cluster.iopub_guard import guard_iopub
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.rank_processes import RankProcesses
@@ -161,12 +162,15 @@ def connect_client(cluster: ipp.Cluster, timeout: float) -> ipp.Client:
             raise ClusterStartError(failure)
         wait = min(CONNECT_TRY_S, max(deadline - time.monotonic(), 0.1))
         try:
-            return cluster.connect_client_sync(timeout=wait)
+            client = cluster.connect_client_sync(timeout=wait)
         except TimeoutError:
             if time.monotonic() >= deadline:
                 raise ClusterStartError(
                     f"the controller did not answer within {timeout:.0f} s"
                 ) from None
+        else:
+            guard_iopub(client)  # (one message it cannot handle no longer ends its output)
+            return client
 
 
 def wait_for_engines(

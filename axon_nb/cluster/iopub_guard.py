@@ -1,0 +1,50 @@
+"""Keep an ipyparallel client reading its ranks' IOPub after a message it cannot handle.
+
+ipyparallel's ``Client`` reads IOPub (the ranks' output, their idle statuses, their metrics
+publications) in one ZMQ stream callback. When that callback raises, pyzmq re-raises out of
+the stream and it never reads again: every later output of the cluster is lost without a
+word, and each call then waits out its grace period for an idle status that never comes
+(1 s per ``cluster.run``; 10 s per ``train`` before the monitor stopped relying on it).
+
+It happens in ordinary use: a rank opens a widget (``tqdm.auto``, which transformers uses
+for "Loading weights", opens one in an engine) while the kernel side is an IPython shell
+without a Jupyter kernel (terminal IPython, a script under ``InteractiveShell``): the client
+then asks the shell for its ``kernel`` to proxy the widget, and raises ``AttributeError``.
+The guard drops that one message (logged) and the stream goes on.
+
+    client = cluster.connect_client_sync()
+    guard_iopub(client)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import ipyparallel as ipp
+
+log = logging.getLogger(__name__)
+
+SWAP_WAIT_S = 5.0
+"""How long :func:`guard_iopub` waits for the client's IO thread to take the guarded callback."""
+
+
+def guard_iopub(client: ipp.Client) -> None:
+    """Have ``client`` drop an IOPub message its handler raises on, instead of its stream."""
+    dispatch = client._dispatch_iopub
+
+    def on_iopub(parts: list[Any]) -> None:
+        try:
+            dispatch(parts)
+        except Exception:
+            log.warning("dropped a rank's IOPub message the client could not handle", exc_info=True)
+
+    swapped = threading.Event()
+
+    def swap() -> None:  # on the client's IO thread, which owns the stream
+        client._iopub_stream.on_recv(on_iopub, copy=False)
+        swapped.set()
+
+    client._io_loop.add_callback(swap)
+    swapped.wait(SWAP_WAIT_S)
