@@ -5,9 +5,6 @@ BIN := $(VENV)/bin
 # Pinned so pip takes the CPU wheel on CPU machines; override on GPU hosts, e.g. TORCH=torch.
 TORCH ?= torch==2.13.0
 
-# Prerequisites run side by side: the Debian packages install while pip's do.
-MAKEFLAGS += --jobs=3
-
 .PHONY: install bytecode demo test lint system-packages bench clean extension check-extension
 
 install: $(VENV)/.installed
@@ -62,7 +59,11 @@ system-packages:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; } || \
 	  echo "could not install$$missing: the tests that need them will be skipped"
 
-test: lint check-extension system-packages bytecode
+# The Debian packages install while uv installs the Python ones (not a global -j: goals named
+# together, as in `make clean test`, would then run at the same time).
+test:
+	$(MAKE) --jobs=2 install system-packages
+	$(MAKE) lint check-extension bytecode
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 bench: install

@@ -7,6 +7,9 @@ IOPub again: every later print of the cluster was lost, each call waited out its
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -31,9 +34,18 @@ def _say(word: str) -> int:
 
 
 def test_a_widget_on_a_rank_leaves_the_output_flowing(
-    shell: InteractiveShell, cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+    shell: InteractiveShell,
+    cluster: axon_nb.Cluster,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    assert cluster.run(_progress_bar, stream=False) == [3, 3]
+    with caplog.at_level(logging.DEBUG, logger="axon_nb.cluster.iopub_guard"):
+        assert cluster.run(_progress_bar, stream=False) == [3, 3]
+        deadline = time.monotonic() + 10  # (read on the client's IO thread)
+        while "could not handle" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    # the bar was a widget, whose messages the client could not handle (the case at stake)
+    assert "could not handle" in caplog.text
     capsys.readouterr()
     for _ in range(3):
         assert cluster.run(_say, "hello") == [1, 1]

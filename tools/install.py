@@ -35,15 +35,20 @@ def pip_settings(pip: Path) -> dict[str, str]:
         [str(pip), "config", "list"], capture_output=True, text=True, check=False
     ).stdout
     settings: dict[str, str] = {}
-    for line in out.splitlines():
+    from_env: set[str] = set()
+    for line in out.splitlines():  # (sorted by key, not by pip's precedence)
         key, sep, value = line.partition("=")
         if not sep:
             continue
-        name = key.rsplit(".", 1)[-1]
+        section, _, name = key.rpartition(".")
+        if name in from_env:
+            continue  # a PIP_* variable wins over every file, as in pip
         try:
             settings[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             settings[name] = value.strip("'\"")
+        if section == ":env:":
+            from_env.add(name)
     return settings
 
 
@@ -55,7 +60,7 @@ def uv_arguments(settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
         args += [a for value in values if value for a in (option, value)]
     if "extra-index-url" in settings or "find-links" in settings:
         args += ["--index-strategy", "unsafe-best-match"]  # pip looks at every index alike
-    if settings.get("no-index", "").lower() in ("1", "true", "yes"):
+    if settings.get("no-index", "").lower() in ("1", "true", "yes", "on", "t", "y"):
         args.append("--no-index")
     env = {}
     if settings.get("cert"):

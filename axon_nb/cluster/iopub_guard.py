@@ -33,12 +33,18 @@ SWAP_WAIT_S = 5.0
 def guard_iopub(client: ipp.Client) -> None:
     """Have ``client`` drop an IOPub message its handler raises on, instead of its stream."""
     dispatch = client._dispatch_iopub
+    dropped = 0
 
     def on_iopub(parts: list[Any]) -> None:
+        nonlocal dropped
         try:
             dispatch(parts)
         except Exception:
-            log.warning("dropped a rank's IOPub message the client could not handle", exc_info=True)
+            # once with its traceback; a widget's updates would repeat it for every message
+            dropped += 1
+            level = logging.WARNING if dropped == 1 else logging.DEBUG
+            log.log(level, "dropped a rank's IOPub message the client could not handle (%d so "
+                    "far)", dropped, exc_info=dropped == 1)  # fmt: skip
 
     swapped = threading.Event()
 

@@ -11,7 +11,7 @@ import ipyparallel as ipp
 
 from axon_nb.cluster.hangs import HangWatch
 from axon_nb.cluster.waiting import describe_error, results
-from axon_nb.errors import RankError
+from axon_nb.errors import AxonError, RankError
 from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.result import TrainResult, build_result, merge_records
 from axon_nb.train.trace_report import trace_table
@@ -156,7 +156,10 @@ class TrainHandle:
 
     def _cluster_gone(self) -> bool:
         """The ranks the run went to are gone (the cluster stopped or restarted)."""
-        return not self._cluster.running or self._cluster.client is not self._client
+        try:
+            return not self._cluster.running or self._cluster.client is not self._client
+        except AxonError:  # stopping just now: its client is gone before its ranks
+            return True
 
     def _watch(self) -> None:
         while not self._ar.ready() and not self._failed.is_set() and not self._cluster_gone():
@@ -176,7 +179,11 @@ class TrainHandle:
             if part.ready() and not part.successful()
         }
         if not self._ar.ready() and self._cluster_gone():
-            gone = {r: "the cluster stopped" for r, p in self._parts.items() if not p.ready()}
+            gone = {
+                r: "the cluster stopped or restarted"
+                for r, p in self._parts.items()
+                if not p.ready()
+            }
             failures.update(gone)
         with self._lock:
             self._ended = failures
@@ -201,6 +208,8 @@ class TrainHandle:
                     self._latest.get(r, {}).get("status") in FINAL_STATUSES for r in finished
                 )
             if final or all(p.wait_for_output(0) for p in finished.values()):
+                return
+            if self._cluster_gone():  # (what has not come will not)
                 return
             time.sleep(MONITOR_S / 5)
 
