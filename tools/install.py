@@ -65,8 +65,9 @@ def uv_arguments(settings: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     env = {}
     if settings.get("cert"):
         env["SSL_CERT_FILE"] = settings["cert"]
-    if settings.get("default-timeout") or settings.get("timeout"):
-        env["UV_HTTP_TIMEOUT"] = settings.get("default-timeout") or settings["timeout"]
+    timeout = settings.get("default-timeout") or settings.get("timeout")
+    if timeout:
+        env["UV_HTTP_TIMEOUT"] = timeout
     return args, env
 
 

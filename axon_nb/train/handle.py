@@ -196,9 +196,10 @@ class TrainHandle:
         is shown failed from its error.
 
         Each rank's last publication carries its final status, so that is what is waited for
-        (or ipyparallel's word that the call's output is complete, whichever comes first): an
-        engine's idle status, which that word waits for, can go missing, and each run then
-        waited ``LAST_PUBLICATION_S`` for nothing."""
+        (or ipyparallel's word that the call's output is complete, whichever comes first).
+        That word waits for the engine's idle status, which never came once the client had
+        stopped reading IOPub (``cluster/iopub_guard.py`` now keeps it reading), and each run
+        then waited ``LAST_PUBLICATION_S`` for nothing."""
         finished = {r: p for r, p in self._parts.items() if p.ready() and p.successful()}
         end = time.monotonic() + LAST_PUBLICATION_S
         while time.monotonic() < end:
