@@ -133,6 +133,23 @@ def test_a_clean_stop_is_one_line_and_every_engine_exits_0(shell, capsys) -> Non
     text = log.path.read_text()
     assert "Registering with controller" in text  # the engines' log went to the file
     assert "exit_code" not in text or "'exit_code': 0" in text
+    assert "Traceback" not in text  # (an engine that ended on the request exits 0)
+
+
+def test_engines_on_their_own_launchers_exit_0_on_a_clean_stop() -> None:
+    """Local engines: each rank's parent is the launcher's process, so its exit code (the
+    engine's) is seen directly. ipyparallel's engine raised "Event loop stopped before
+    Future completed" on the shutdown request and exited 1."""
+    cluster = axon_nb.Cluster(n=2, engines="local", timeout=60).start()
+    launchers = [
+        launcher
+        for engine_set in cluster._ipp.engines.values()  # type: ignore[union-attr]
+        for launcher in engine_set.launchers.values()
+    ]
+    assert len(launchers) == 2
+    cluster.stop()
+    assert [launcher.process.wait(timeout=5) for launcher in launchers] == [0, 0]
+    assert "Traceback" not in cluster.log.path.read_text()  # type: ignore[union-attr]
 
 
 # -- refused before anything is launched -------------------------------------------------

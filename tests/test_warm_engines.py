@@ -99,6 +99,37 @@ def test_each_start_forks_fresh_engines_in_its_own_environment(
     assert wait_gone([server], 1) == []
 
 
+def _has_dynamo() -> bool:
+    import sys
+
+    return "torch._dynamo" in sys.modules
+
+
+def test_an_idle_server_imports_what_engines_import_later() -> None:
+    """torch._dynamo (a second of CPU in every engine that runs DDP or FSDP) comes with the
+    fork once the server has been idle: not into the first start's engines, which it would
+    slow down, but into every later one's."""
+    from axon_nb.rank.world.engine_server import LATER_IMPORTS_IDLE_S
+
+    with axon_nb.Cluster(n=2) as cluster:
+        assert cluster.run(_has_dynamo, stream=False) == [False, False]
+        time.sleep(LATER_IMPORTS_IDLE_S + 1.0)
+        cluster.restart()
+        assert cluster.run(_has_dynamo, stream=False) == [True, True]
+        # and they train as before: DDP's first use of dynamo is in the forked engine
+        assert cluster.run(_ddp_step, stream=False) == [1.0, 1.0]
+
+
+def _ddp_step() -> float:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(2, 1))
+    model(torch.ones(4, 2)).sum().backward()
+    return float(model.module.bias.grad.item() / 4)
+
+
 def test_a_bad_request_ends_nothing_and_a_rank_ends_as_under_its_parent() -> None:
     with axon_nb.Cluster(n=2, timeout=30) as cluster:
         engines = [r["pid"] for r in cluster.ranks]

@@ -94,13 +94,26 @@ def terminate_then_kill(
         # are gone has nothing left to wait for (MPI's waits out its own grace otherwise).
         wait_gone(below, KILL_AFTER_S)
         spent = time.monotonic() - started
-        left = wait_gone(tree, min(LAUNCHER_GRACE_S, max(0.0, KILL_AFTER_S - spent)))
+        grace = 0.0 if all(_is_forker(p) for p in tree if running(p)) else LAUNCHER_GRACE_S
+        left = wait_gone(tree, min(grace, max(0.0, KILL_AFTER_S - spent)))
     else:
         left = wait_gone(tree, KILL_AFTER_S)
     for proc in left:
         _send(proc, signal.SIGKILL)
     wait_gone(left, 2.0)
     return [p.pid for p in left]
+
+
+def _is_forker(proc: psutil.Process) -> bool:
+    """True for MPICH's one-host launcher, ``mpiexec.gforker``. It takes the first of its
+    ranks to exit for a failed one (whatever its exit code), interrupts the others, sleeps a
+    second and only then exits; SIGTERM it only passes on to its ranks. Once they are gone it
+    has nothing left to do anywhere, so it gets no grace (hydra, whose proxies may run on
+    other hosts, does)."""
+    try:
+        return proc.name() == "mpiexec.gforker"
+    except psutil.Error:
+        return False
 
 
 def is_rank_parent(proc: psutil.Process) -> bool:
@@ -156,7 +169,8 @@ def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool) -> None:
                 # stays until signalled, so the rest of the tree gets only a short grace.
                 asked = [p for p in tree if p.pid not in engines and not is_rank_parent(p)]
                 wait_gone(asked, ASK_S)
-                wait_gone(tree, LAUNCHER_GRACE_S)
+                # their parents exit with them; the launchers are seen to below
+                wait_gone([p for p in tree if p.pid not in engines], LAUNCHER_GRACE_S)
     terminate_then_kill(tree, engines, ranks_at_once=not ask)  # (at once if all are gone)
     controller = launcher_pids(ipp_cluster, engines=False)
     terminate_then_kill(process_tree(controller), controller)

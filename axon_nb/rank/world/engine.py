@@ -30,7 +30,25 @@ def main() -> None:
 
     ipykernel_sigint.install(hold_during_imports=True)  # Ctrl-C never ends the engine
 
-    engine_main()
+    try:
+        engine_main()
+    except RuntimeError:
+        if not _asked_to_shut_down():
+            raise
+
+
+def _asked_to_shut_down() -> bool:
+    """True when the engine ended on a shutdown request (a clean stop). ipykernel answers it
+    by stopping the IO loop under ipyparallel's ``run_sync``, which then raises "Event loop
+    stopped before Future completed": without this, every cleanly stopped engine printed that
+    traceback to the cluster's log and exited 1 (and MPI's launcher, seeing a rank fail,
+    interrupted the others and lingered two seconds)."""
+    from ipyparallel.engine.app import IPEngine
+
+    if not IPEngine.initialized():
+        return False
+    kernel = getattr(IPEngine.instance(), "kernel", None)
+    return getattr(kernel, "_shutdown_message", None) is not None  # set by shutdown_request
 
 
 if __name__ == "__main__":

@@ -42,6 +42,10 @@ from axon_nb.spec.warm_engines import engines_dir, socket_path
 PARENT_POLL_S = 0.5
 """How often the server checks that the kernel that started it is alive."""
 
+LATER_IMPORTS_IDLE_S = 5.0
+"""The server imports what engines import later (``_later_imports``) once no parent has
+asked for an engine for this long: never in the middle of a start."""
+
 MAX_FDS = 64
 """The most file descriptors one request may carry."""
 
@@ -51,13 +55,28 @@ def _preload() -> None:
     import ipyparallel.engine.app  # noqa: F401
     import mpi4py  # noqa: F401  (the package only: the engine initializes MPI)
     import torch
-    import torch.distributed
+    import torch.distributed  # noqa: F401
 
     import axon_nb.ipykernel_sigint
     import axon_nb.rank.entry
     import axon_nb.rank.world.bootstrap  # noqa: F401
 
     # (not the engine module itself: it runs as __main__ in each child, as `python -m` runs it)
+    _check_forkable()
+
+
+def _later_imports() -> None:
+    """What most engines import later, on their first DDP, FSDP or compile: ``torch._dynamo``
+    (1.0 s of CPU in each engine that imports it). The server imports it once, when no parent
+    has asked for an engine for a while, so that no start waits for it or competes with it."""
+    import torch._dynamo  # noqa: F401
+
+    _check_forkable()
+
+
+def _check_forkable() -> None:
+    import torch
+
     if torch.cuda.is_initialized():  # a forked child could not use CUDA: fork nothing
         raise RuntimeError("CUDA was initialized while importing; engines start as processes")
     if threading.active_count() > 1:  # a thread would be missing, maybe holding a lock
@@ -124,10 +143,16 @@ class _Server:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         self.selector.register(self.wake_r, selectors.EVENT_READ)
         self.engines: dict[int, tuple[socket.socket, int]] = {}  # pid -> (connection, parent)
+        self.last_request = time.monotonic()
 
     def serve(self) -> None:
+        later_imports = True
         while os.getppid() == self.parent:
-            for key, _ in self.selector.select(PARENT_POLL_S):
+            events = self.selector.select(PARENT_POLL_S)
+            if later_imports and time.monotonic() - self.last_request > LATER_IMPORTS_IDLE_S:
+                later_imports = False
+                self._import_later_modules()
+            for key, _ in events:
                 if key.fileobj is self.listener:
                     self._accept()
                 elif key.fileobj == self.wake_r:
@@ -137,9 +162,25 @@ class _Server:
                     self._closed(key.fileobj)  # type: ignore[arg-type]
             self._reap()
 
+    def _import_later_modules(self) -> None:
+        """Import what engines import later; should that fail or make forking unsafe, the
+        server forks no more engines (their parents start them as processes) and keeps
+        serving the ones it has."""
+        try:
+            _later_imports()
+        except Exception as e:
+            print(
+                f"axon_nb engine server: {e}; later engines start as processes",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.selector.unregister(self.listener)
+            self.listener.close()
+
     def _accept(self) -> None:
         """Fork the engine one rank's parent asks for. A request that fails (its parent then
         starts the engine as a process) never ends the server, whose other engines run."""
+        self.last_request = time.monotonic()
         try:
             conn, _ = self.listener.accept()
         except OSError:
@@ -312,4 +353,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_code = main(sys.argv[1:])
+    # Everything is cleaned up: leave without tearing down torch's modules, half a second of
+    # a stop's time (the kernel waits for this process to end).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
