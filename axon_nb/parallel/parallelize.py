@@ -37,7 +37,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from axon_nb.parallel import pipeline, zero1
 from axon_nb.parallel.activation_checkpoint import (
@@ -325,14 +324,6 @@ class ParallelModel:
     def set_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load what :meth:`get_state` returned (full, or loaded shards); an ``"optimizer"`` of
         None leaves the optimizer as it is."""
-        self._load_state(optimizer, state)
-        # A loaded foreach=True (saved by a layout whose parameters were all of one kind) is
-        # dropped where this layout mixes DTensors and plain tensors, which foreach refuses.
-        for group in getattr(getattr(optimizer, "optim", optimizer), "param_groups", []):
-            if group.get("foreach") and _mixes_dtensors([group]):
-                group["foreach"] = None
-
-    def _load_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         if self.pipeline is not None:
             pipeline.load_full_state(self.pipeline, optimizer, state)
             return
@@ -403,30 +394,17 @@ class OptimizerFactory:
         cls: type[torch.optim.Optimizer] | None = None,
         kwargs: dict[str, Any] | None = None,
         make: Callable[[Any], torch.optim.Optimizer] | None = None,
-        foreach_chosen: bool = True,
     ) -> None:
         self.cls = cls
         self.kwargs = dict(kwargs or {})
         self._make = make
-        self.foreach_chosen = foreach_chosen
-        """False when ``foreach`` in ``kwargs`` is a default, not the user's choice."""
 
     def __call__(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
         if self._make is not None:
             plain = len(groups) == 1 and set(groups[0]) == {"params"} and groups[0]["params"]
             return self._make(list(groups[0]["params"]) if plain else groups)
         assert self.cls is not None
-        kwargs = self.kwargs
-        if not self.foreach_chosen and _mixes_dtensors(groups):
-            # torch's foreach ops refuse a list of DTensors and plain tensors together (tensor
-            # parallelism leaves the parameters it does not split plain): its own default then
-            kwargs = {k: v for k, v in kwargs.items() if k != "foreach"}
-        return self.cls(groups, **kwargs)
-
-
-def _mixes_dtensors(groups: list[dict[str, Any]]) -> bool:
-    kinds = {isinstance(p, DTensor) for group in groups for p in group["params"]}
-    return len(kinds) > 1
+        return self.cls(groups, **self.kwargs)
 
 
 @contextlib.contextmanager

@@ -32,12 +32,9 @@ def optimizer_factory(spec: TrainSpec, device: torch.device) -> OptimizerFactory
     chosen = {"fused", "foreach"} & kwargs.keys()
     if device.type == "cuda" and name in FUSED and not chosen and spec.mixed_precision != "fp16":
         kwargs["fused"] = True
-    defaulted = device.type == "cpu" and name in FOREACH_ON_CPU and not chosen
-    if defaulted:
+    if device.type == "cpu" and name in FOREACH_ON_CPU and not chosen:
         kwargs["foreach"] = True
-    return OptimizerFactory(
-        getattr(torch.optim, OPTIMIZERS[name]), kwargs, foreach_chosen=not defaulted
-    )
+    return OptimizerFactory(getattr(torch.optim, OPTIMIZERS[name]), kwargs)
 
 
 FUSED = ("adam", "adamw")
