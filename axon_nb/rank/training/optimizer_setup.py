@@ -20,9 +20,7 @@ from axon_nb.spec.train_spec import OPTIMIZERS, TrainSpec
 def optimizer_factory(spec: TrainSpec, device: torch.device) -> OptimizerFactory:
     """The run's optimizer: a named ``torch.optim`` class with its settings, or the user's
     callable. On a GPU, Adam and AdamW take PyTorch's fused kernel unless the settings choose
-    an implementation (``fused`` or ``foreach``) or the run scales fp16 losses. On a CPU, the
-    optimizers of :data:`FOREACH_ON_CPU` take the ``foreach`` implementation unless the
-    settings choose one."""
+    an implementation (``fused`` or ``foreach``) or the run scales fp16 losses."""
     if callable(spec.optimizer):
         return OptimizerFactory(make=spec.optimizer)
     name, kwargs = spec.optimizer
@@ -32,19 +30,11 @@ def optimizer_factory(spec: TrainSpec, device: torch.device) -> OptimizerFactory
     chosen = {"fused", "foreach"} & kwargs.keys()
     if device.type == "cuda" and name in FUSED and not chosen and spec.mixed_precision != "fp16":
         kwargs["fused"] = True
-    if device.type == "cpu" and name in FOREACH_ON_CPU and not chosen:
-        kwargs["foreach"] = True
     return OptimizerFactory(getattr(torch.optim, OPTIMIZERS[name]), kwargs)
 
 
 FUSED = ("adam", "adamw")
 """Named optimizers that default to ``fused=True`` on CUDA ranks."""
-
-FOREACH_ON_CPU = ("sgd", "adam", "adamw", "adagrad", "rmsprop", "adamax")
-"""Named optimizers that default to ``foreach=True`` on CPU ranks, where PyTorch picks its
-one-tensor-at-a-time loop: the same values to the bit (torch 2.13; NAdam and RAdam differ in
-the last bit, so they keep PyTorch's choice) in about two thirds of the time (AdamW's step
-of a 69-tensor GPT: 1.3 ms against 2.4 ms)."""
 
 
 def grad_scaler(ctx: runtime.RankContext) -> torch.amp.GradScaler:
