@@ -149,7 +149,8 @@ class _Server:
         later_imports = True
         while os.getppid() == self.parent:
             events = self.selector.select(PARENT_POLL_S)
-            if later_imports and time.monotonic() - self.last_request > LATER_IMPORTS_IDLE_S:
+            idle = time.monotonic() - self.last_request
+            if later_imports and not events and idle > LATER_IMPORTS_IDLE_S:
                 later_imports = False
                 self._import_later_modules()
             for key, _ in events:
