@@ -336,11 +336,8 @@ def test_a_nanny_that_does_not_answer_does_not_hold_up_the_kernel(
     from axon_nb.cluster import control
 
     monkeypatch.setattr(control, "SIGNAL_REPLY_S", 2.0, raising=False)
-    nannies = [
-        p for p in psutil.Process().children(recursive=True)
-        if "ipyparallel.engine.nanny" in " ".join(p.cmdline())
-        and p.parent() is not None and p.parent().pid in set(engine_pids(cluster))
-    ]  # fmt: skip
+    # (each engine's one child: forked from it, or ``python -m ipyparallel.engine.nanny``)
+    nannies = [child for pid in engine_pids(cluster) for child in psutil.Process(pid).children()]
     assert len(nannies) == 2
     nannies[0].suspend()
     try:

@@ -3,11 +3,13 @@ noticing ranks that exit first), then having every rank join the torch world."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ipyparallel as ipp
@@ -188,44 +190,70 @@ def wait_for_engines(
     local = options.engines == "mpi" and not options.multi_host
     ranks = RankProcesses(lambda: [launcher.pid for launcher in cluster.engines.values()], n)
     log_end = 0  # how far the log was searched for GAVE_UP
-    while len(client.ids) < n:
-        now = time.monotonic()
-        parents, alive = ranks.poll() if local else ([], set())
-        seen |= alive
-        parents_seen |= set(parents)
-        failure = controller_failure(cluster)
-        if failure is not None:
-            raise ClusterStartError(failure)
-        # (an engine forked from the warm process may end before any poll sees it, and
-        # ipyparallel may not have noticed its launcher's exit yet)
-        launchers = list(cluster.engines.values())
-        stopped = any(launcher.state == "after" for launcher in launchers) or (
-            local and any(p.pid and not stopping.alive(p.pid) for p in launchers)
-        )
-        # A rank process that exited at once may never be seen (and the others then wait in
-        # MPI_Init for it): MPI's proxy starts them all together, so once an engine runs,
-        # every rank's parent is there, or was.
-        missing = local and seen and len(parents) < n
-        short_since = (short_since or now) if missing else None
-        # A rank's engine that was running and is gone has exited (on a busy host the others
-        # may not have been spawned yet: their absence says nothing).
-        gone = short_since is not None and now - short_since > MISSING_RANK_S
-        if stopped or seen - alive or parents_seen - set(parents) or gone:
-            raise ClusterStartError(
-                f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
+    with _registrations(client) as registered:
+        while len(client.ids) < n:
+            now = time.monotonic()
+            parents, alive = ranks.poll() if local else ([], set())
+            seen |= alive
+            parents_seen |= set(parents)
+            failure = controller_failure(cluster)
+            if failure is not None:
+                raise ClusterStartError(failure)
+            # (an engine forked from the warm process may end before any poll sees it, and
+            # ipyparallel may not have noticed its launcher's exit yet)
+            launchers = list(cluster.engines.values())
+            stopped = any(launcher.state == "after" for launcher in launchers) or (
+                local and any(p.pid and not stopping.alive(p.pid) for p in launchers)
             )
-        if log is not None:  # (from a little before the last read's end: a line split)
-            text, log_end = log.read_from(log_end - len(GAVE_UP))
-            if GAVE_UP in text:
+            # A rank process that exited at once may never be seen (and the others then wait in
+            # MPI_Init for it): MPI's proxy starts them all together, so once an engine runs,
+            # every rank's parent is there, or was.
+            missing = local and seen and len(parents) < n
+            short_since = (short_since or now) if missing else None
+            # A rank's engine that was running and is gone has exited (on a busy host the others
+            # may not have been spawned yet: their absence says nothing).
+            gone = short_since is not None and now - short_since > MISSING_RANK_S
+            if stopped or seen - alive or parents_seen - set(parents) or gone:
                 raise ClusterStartError(
-                    f"an engine gave up registering with the controller ({len(client.ids)} of "
-                    f"{n} engines connected): the controller did not answer in time"
+                    f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
                 )
-        if now - started > timeout:
-            raise ClusterStartError(
-                f"only {len(client.ids)} of {n} engines connected within {timeout:.0f} s"
-            )
-        time.sleep(0.2)
+            if log is not None:  # (from a little before the last read's end: a line split)
+                text, log_end = log.read_from(log_end - len(GAVE_UP))
+                if GAVE_UP in text:
+                    raise ClusterStartError(
+                        f"an engine gave up registering with the controller ({len(client.ids)} of "
+                        f"{n} engines connected): the controller did not answer in time"
+                    )
+            if now - started > timeout:
+                raise ClusterStartError(
+                    f"only {len(client.ids)} of {n} engines connected within {timeout:.0f} s"
+                )
+            registered.wait(POLL_S)  # (woken early by an engine's registration)
+            registered.clear()
+
+
+POLL_S = 0.2
+"""How often a start looks at its rank processes and its log while engines connect."""
+
+
+@contextlib.contextmanager
+def _registrations(client: ipp.Client) -> Iterator[threading.Event]:
+    """An event the client's IO thread sets as each engine registers, so that a start goes
+    on at once rather than up to ``POLL_S`` later (the hook ipyparallel's own
+    ``wait_for_engines`` uses; where it is missing the event is never set and a start polls)."""
+    event = threading.Event()
+    callbacks = getattr(client, "_registration_callbacks", None)
+
+    def hook(_event: dict[str, Any]) -> None:
+        event.set()
+
+    if isinstance(callbacks, list):
+        callbacks.append(hook)
+    try:
+        yield event
+    finally:
+        if isinstance(callbacks, list) and hook in callbacks:
+            callbacks.remove(hook)
 
 
 MISSING_RANK_S = 10.0

@@ -1,5 +1,6 @@
 """A rank's engine process: ipyparallel's engine, with torch imported on a side thread while
-the engine connects and registers.
+the engine connects and registers, and (where the warm process loaded what it needs) its
+nanny forked from it (``rank/world/forked_nanny.py``).
 
 Importing torch is most of a rank's start-up (about 1.4 s of CPU here); done after
 registration, the first cell waits for it. The side thread overlaps it with the engine's own
@@ -23,12 +24,17 @@ def _import_torch() -> None:
 
 
 def main() -> None:
+    from axon_nb.rank.world.forked_nanny import ForkedNanny
+
+    nanny = ForkedNanny.fork()  # (first: one thread, no socket yet)
     threading.Thread(target=_import_torch, name="axon-import-torch", daemon=True).start()
     from ipyparallel.engine.app import main as engine_main
 
     from axon_nb import ipykernel_sigint
 
     ipykernel_sigint.install(hold_during_imports=True)  # Ctrl-C never ends the engine
+    if nanny is not None:
+        nanny.replace_ipyparallel_start()
 
     try:
         engine_main()
