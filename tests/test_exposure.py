@@ -51,9 +51,13 @@ def test_a_one_host_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
             model=make_mlp, data=make_data, loss=mse, steps=4, batch_size=16, strategy=FSDP(),
             checkpoint_dir=tmp_path, checkpoint_every=2,
         )  # fmt: skip
-        kinds = {cmd for _, cmd, _, _ in _listening()}
-        assert any("ipyparallel.controller" in k for k in kinds)
-        assert any("ipyparallel.engine" in k for k in kinds)  # gloo, MPI, zmq: all seen
+        listening = _listening()
+        assert any("ipyparallel.controller" in cmd for _, cmd, _, _ in listening)
+        # the engines (gloo, zmq) and their nannies: all seen
+        engines = [psutil.Process(r["pid"]) for r in cluster.ranks]
+        nannies = [child.pid for engine in engines for child in engine.children()]
+        pids = {pid for pid, _, _, _ in listening}
+        assert {e.pid for e in engines} <= pids and set(nannies) <= pids and nannies
         exposed = [entry for entry in _listening() if entry[2] not in LOOPBACK]
         assert exposed == [], exposed
         cluster._reform_world()  # a fresh world: a new store file, new gloo listeners
