@@ -336,8 +336,11 @@ def test_a_nanny_that_does_not_answer_does_not_hold_up_the_kernel(
     from axon_nb.cluster import control
 
     monkeypatch.setattr(control, "SIGNAL_REPLY_S", 2.0, raising=False)
-    # (each engine's one child: forked from it, or ``python -m ipyparallel.engine.nanny``)
-    nannies = [child for pid in engine_pids(cluster) for child in psutil.Process(pid).children()]
+    # (each engine's child in a session of its own: forked, or ipyparallel's new process)
+    nannies = [
+        child for pid in engine_pids(cluster) for child in psutil.Process(pid).children()
+        if os.getsid(child.pid) == child.pid
+    ]  # fmt: skip
     assert len(nannies) == 2
     nannies[0].suspend()
     try:

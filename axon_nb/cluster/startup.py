@@ -242,18 +242,21 @@ def _registrations(client: ipp.Client) -> Iterator[threading.Event]:
     on at once rather than up to ``POLL_S`` later (the hook ipyparallel's own
     ``wait_for_engines`` uses; where it is missing the event is never set and a start polls)."""
     event = threading.Event()
-    callbacks = getattr(client, "_registration_callbacks", None)
 
     def hook(_event: dict[str, Any]) -> None:
         event.set()
 
-    if isinstance(callbacks, list):
-        callbacks.append(hook)
+    # (replaced, not changed in place: the IO thread may be going through the old list)
+    hooked = isinstance(getattr(client, "_registration_callbacks", None), list)
+    if hooked:
+        client._registration_callbacks = [*client._registration_callbacks, hook]
     try:
         yield event
     finally:
-        if isinstance(callbacks, list) and hook in callbacks:
-            callbacks.remove(hook)
+        if hooked:
+            client._registration_callbacks = [
+                c for c in client._registration_callbacks if c is not hook
+            ]
 
 
 MISSING_RANK_S = 10.0

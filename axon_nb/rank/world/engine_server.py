@@ -59,7 +59,8 @@ def _preload() -> None:
 
     import axon_nb.ipykernel_sigint
     import axon_nb.rank.entry
-    import axon_nb.rank.world.bootstrap  # noqa: F401
+    import axon_nb.rank.world.bootstrap
+    import axon_nb.rank.world.forked_nanny  # noqa: F401
 
     # (not the engine module itself: it runs as __main__ in each child, as `python -m` runs it)
     _check_forkable()
