@@ -33,8 +33,8 @@ torch.set_num_threads(1)
 # The suite runs 4 ranks on 2-core machines: more ranks than cores, on purpose.
 os.environ["AXON_NB_OVERSUBSCRIBE"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
-# `make test` runs two workers (pytest-xdist): each has its own Jupyter runtime dir, so the
-# lab registry, kernels and servers of one never show up in the other's tests.
+# `make test` runs three workers (pytest-xdist): each has its own Jupyter runtime dir, so the
+# lab registry, kernels and servers of one never show up in another's tests.
 os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
     prefix=f"axon-nb-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"
 )
@@ -150,12 +150,12 @@ SLOW_FIRST = (
     "test_predictions.py", "test_rescue.py",
 )  # fmt: skip
 """The longest files (by `pytest --durations=0`), started first: `make test` hands whole files
-to two workers in this order (pytest-xdist's loadfile with --no-loadscope-reorder; its default
+to the workers in this order (pytest-xdist's loadfile with --no-loadscope-reorder; its default
 order, most tests first, left the 150 s file of one test running alone at the end)."""
 
 
 LAST = ("test_start_under_load.py",)
-"""Handed out last: its CPU hog then runs while the other worker ends its last file and
+"""Handed out last: its CPU hog then runs while the other workers end their last files and
 after, on a core that would idle, rather than for six minutes against the whole suite (its
 twenty starts beside the suite took 346 s, and the hog a core's share all that time)."""
 
