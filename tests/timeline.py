@@ -3,7 +3,7 @@
 Loaded by conftest.py when ``AXON_TEST_TIMELINE`` names a file: each worker appends one line
 per test, ``worker start_s end_s load_1min cpu_s nodeid`` (times in seconds since the epoch;
 ``cpu_s``: the CPU seconds the worker and every process below it used during the test, ranks,
-kernels and servers included, so a test's cost shows even beside the other worker)::
+kernels and servers included, so a test's cost shows even beside other workers)::
 
     AXON_TEST_TIMELINE=/tmp/timeline.txt make test
     sort -k2 -n /tmp/timeline.txt
