@@ -56,6 +56,7 @@ def start_many(
             if log:
                 print(f"{i + 1:3d} {outcome} ({time.monotonic() - began:.1f} s)", flush=True)
     finally:
+        warm_engines.stop_if_idle()  # (the last stop may have kept it)
         stop.set()
         for proc in procs:
             proc.join(timeout=5)
@@ -75,7 +76,6 @@ def main() -> None:
         launchers.ENGINE_ARGS[:] = []
         launchers.CONTROLLER_ARGS[:] = []
     started = start_many(args.count, hogs=args.hogs, warm_every=args.warm_every)
-    warm_engines.stop_if_idle()
     print(f"started/tried: {started}/{args.count}")
 
 

@@ -42,6 +42,15 @@ def engine_pids(cluster: axon_nb.Cluster) -> list[int]:
     return [r["pid"] for r in cluster.ranks]
 
 
+def nannies(cluster: axon_nb.Cluster) -> list[psutil.Process]:
+    """Each engine's nanny: its child in a session of its own (forked from the engine, or
+    ipyparallel's new process)."""
+    return [
+        child for pid in engine_pids(cluster) for child in psutil.Process(pid).children()
+        if os.getsid(child.pid) == child.pid
+    ]  # fmt: skip
+
+
 def until(check: Callable[[], Any], seconds: float = 60.0, every: float = 0.05) -> bool:
     """Call ``check`` every ``every`` s until it is true or ``seconds`` pass; whether it was."""
     deadline = time.monotonic() + seconds

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from helpers import ctrl_c_when, engine_pids, wait_gone
+from helpers import nannies as cluster_nannies
 
 import axon_nb
 
@@ -331,16 +332,11 @@ def test_a_nanny_that_does_not_answer_does_not_hold_up_the_kernel(
 ) -> None:
     """Ctrl-C reaches the ranks through their nannies; ipyparallel's blocking send_signal
     waited for ever for a nanny's answer, and the interrupted cell with it."""
-    import psutil
 
     from axon_nb.cluster import control
 
     monkeypatch.setattr(control, "SIGNAL_REPLY_S", 2.0, raising=False)
-    # (each engine's child in a session of its own: forked, or ipyparallel's new process)
-    nannies = [
-        child for pid in engine_pids(cluster) for child in psutil.Process(pid).children()
-        if os.getsid(child.pid) == child.pid
-    ]  # fmt: skip
+    nannies = cluster_nannies(cluster)
     assert len(nannies) == 2
     nannies[0].suspend()
     try:

@@ -4,12 +4,12 @@ after training (gloo groups, mesh subgroups, a checkpoint group) and a re-formed
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import engine_pids, nannies
 from models import make_data, make_mlp, mse
 
 import axon_nb
@@ -55,18 +55,15 @@ def test_a_one_host_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
         listening = _listening()
         assert any("ipyparallel.controller" in cmd for _, cmd, _, _ in listening)
         # the engines (gloo, zmq) and their nannies: all seen
-        engines = [psutil.Process(r["pid"]) for r in cluster.ranks]
-        nannies = [
-            child.pid for engine in engines for child in engine.children()
-            if os.getsid(child.pid) == child.pid
-        ]  # fmt: skip
+        engines = set(engine_pids(cluster))
+        nanny_pids = {nanny.pid for nanny in nannies(cluster)}
         pids = {pid for pid, _, _, _ in listening}
-        assert {e.pid for e in engines} <= pids and set(nannies) <= pids and nannies
-        exposed = [entry for entry in _listening() if entry[2] not in LOOPBACK]
+        assert engines <= pids and nanny_pids <= pids and nanny_pids
+        exposed = [entry for entry in listening if entry[2] not in LOOPBACK]
         assert exposed == [], exposed
         cluster._reform_world()  # a fresh world: a new store file, new gloo listeners
         assert cluster.run(lambda: __import__("torch").distributed.get_world_size()) == [2, 2]
         exposed = [entry for entry in _listening() if entry[2] not in LOOPBACK]
         assert exposed == [], exposed
-        engine_pids = [r["pid"] for r in cluster.ranks]
-    assert not [p for p in engine_pids if psutil.pid_exists(p)]
+        last = engine_pids(cluster)
+    assert not [p for p in last if psutil.pid_exists(p)]

@@ -10,8 +10,6 @@ from pathlib import Path
 import pytest
 from helpers import cluster_pids, wait_gone
 
-from axon_nb.cluster import warm_engines
-
 pytestmark = [
     pytest.mark.cluster,
     pytest.mark.usefixtures("no_pooled_clusters"),
@@ -32,8 +30,6 @@ def test_twenty_starts_in_a_row_under_a_cpu_hog_all_start() -> None:
     from start_under_load import start_many
 
     before = _descendants()
-    try:  # half of them from the warm process the stop before kept (a restart's start)
-        assert start_many(20, hogs=1, warm_every=2) == 20
-    finally:
-        warm_engines.stop_if_idle()
+    # half of them from the warm process the stop before kept (a restart's start)
+    assert start_many(20, hogs=1, warm_every=2) == 20
     assert wait_gone(list(_descendants() - before)) == []
