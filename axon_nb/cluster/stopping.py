@@ -169,8 +169,12 @@ def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool) -> None:
                 # stays until signalled, so the rest of the tree gets only a short grace.
                 asked = [p for p in tree if p.pid not in engines and not is_rank_parent(p)]
                 wait_gone(asked, ASK_S)
-                # their parents exit with them; the launchers are seen to below
-                wait_gone([p for p in tree if p.pid not in engines], LAUNCHER_GRACE_S)
+                # their parents exit with them (a rank parent may be a launcher itself, as
+                # with local engines); the other launchers are seen to below
+                wait_gone(
+                    [p for p in tree if p.pid not in engines or is_rank_parent(p)],
+                    LAUNCHER_GRACE_S,
+                )
     terminate_then_kill(tree, engines, ranks_at_once=not ask)  # (at once if all are gone)
     controller = launcher_pids(ipp_cluster, engines=False)
     terminate_then_kill(process_tree(controller), controller)
