@@ -5,7 +5,14 @@ BIN := $(VENV)/bin
 # Pinned so pip takes the CPU wheel on CPU machines; override on GPU hosts, e.g. TORCH=torch.
 TORCH ?= torch==2.13.0
 
-.PHONY: install bytecode demo test lint system-packages bench clean extension check-extension
+# Every process make starts writes the bytecode of the modules it imports, once, into .venv
+# and the tree, even where PYTHONDONTWRITEBYTECODE is set (as on these machines: each rank,
+# kernel and test worker then compiled its modules again, 0.3 s of CPU for axon_nb's alone).
+# Compiling all 19,800 of .venv's modules at install took 38 s; `make test` imports 2,300 of
+# them for a whole file of training tests (9 CPU-s, once).
+unexport PYTHONDONTWRITEBYTECODE
+
+.PHONY: install demo test lint system-packages bench clean extension check-extension
 
 install: $(VENV)/.installed
 
@@ -28,13 +35,7 @@ check-extension: install
 	$(BIN)/jupyter labextension list 2>&1 | grep -E "axon-nb v[0-9.]+ .*enabled.*OK"
 	$(BIN)/jupyter server extension list 2>&1 | grep -E "axon_nb.server .*OK"
 
-# pip compiles no bytecode for an editable install, and where PYTHONDONTWRITEBYTECODE is set
-# (as on these machines) no process writes it: every rank, kernel and test worker then compiled
-# axon_nb's modules again, 0.3 s of CPU each (a suite starts hundreds). Compiled once per run.
-bytecode: install
-	$(BIN)/python -m compileall -q axon_nb tests benchmarks >/dev/null
-
-demo: install bytecode
+demo: install
 	$(BIN)/python -m axon_nb.notebooks examples/quickstart.ipynb --output build/quickstart.ipynb
 
 lint: install
@@ -60,14 +61,14 @@ system-packages:
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; } || \
 	  echo "could not install$$missing: the tests that need them will be skipped"
 
-# Two pytest workers: a third filled the 10.6% the cores idle (pytest 797 -> 749 s), but the
-# heavier load made a timed test fail (the measured pipeline bubble, 0.39 against 1/3 +- 0.05).
+# Three pytest workers: tests wait (stops, hang timeouts, kernels and browsers starting), and
+# with two the cores idled 10.6% of the run (pytest 797 s), with three 2.7% (736-751 s).
 # The Debian packages install while uv installs the Python ones (not a global -j: goals named
 # together, as in `make clean test`, would then run at the same time).
 test:
 	$(MAKE) --jobs=2 install system-packages
-	$(MAKE) lint check-extension bytecode
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
+	$(MAKE) lint check-extension
+	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 bench: install
 	$(BIN)/python benchmarks/cluster_start.py

@@ -1,4 +1,5 @@
-"""Parts of a start, without a cluster: the nanny a forked engine forks
+"""Parts of a start, without a cluster: the warm process's imports
+(``rank/world/engine_server.py``), the nanny a forked engine forks
 (``rank/world/forked_nanny.py``; with a cluster in test_warm_engines.py) and the wait for
 engines waking as each registers (``cluster/startup.py``)."""
 
@@ -23,6 +24,26 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True
     )
+
+
+def test_the_warm_process_freezes_what_it_imports_for_the_engines_it_forks() -> None:
+    """Imported with the collector off, then frozen: an engine forked afterwards finds none of
+    those objects for its collections to walk, and its collector on (as it is in a new
+    Python)."""
+    out = _python(
+        "import gc, os\n"
+        "from axon_nb.rank.world import engine_server\n"
+        "engine_server._preload()\n"
+        "assert gc.isenabled()\n"
+        "frozen = gc.get_freeze_count()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if gc.isenabled() and len(gc.get_objects()) < 1000 else 1)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print(frozen, os.waitstatus_to_exitcode(status))\n"
+    )
+    frozen, child = map(int, out.stdout.split())
+    assert frozen > 100_000 and child == 0  # (torch alone is 150,000 objects)
 
 
 def test_the_waiting_child_ends_with_an_engine_that_never_asked() -> None:
