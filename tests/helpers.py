@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import threading
@@ -10,8 +11,17 @@ from collections.abc import Callable
 from typing import Any
 
 import psutil
+import pytest
 
 import axon_nb
+
+
+def needs(*modules: str) -> pytest.MarkDecorator:
+    """Skip where one of these optional packages is missing (``make test`` installs them):
+    found without importing them, so collecting the suite does not pay for their imports
+    (peft's alone was 2 s in each pytest worker)."""
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}")
 
 
 def wait_gone(pids: list[int], seconds: float = 20.0) -> list[int]:

@@ -5,15 +5,13 @@ equals ``train_local`` on the same collection computed in one process."""
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import dask
 import dask.array as da
 import dask.bag as db
-import dask.dataframe as dd
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from equivalence import check_equal
@@ -22,6 +20,9 @@ from models import mse
 import axon_nb
 from axon_nb import DDP, FSDP
 
+if TYPE_CHECKING:
+    import dask.dataframe as dd
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 FEATURES = ["f0", "f1", "f2", "f3", "f4", "f5", "f6", "f7"]
@@ -29,6 +30,9 @@ FEATURES = ["f0", "f1", "f2", "f3", "f4", "f5", "f6", "f7"]
 
 def frame(rows: int = 403, partitions: int = 4) -> dd.DataFrame:
     """A regression table with uneven partitions (the last rows do not fill a piece)."""
+    import dask.dataframe as dd  # (here: 0.5 s that every pytest worker's collection skips)
+    import pandas as pd
+
     rng = np.random.default_rng(7)
     x = rng.normal(size=(rows, 8)).astype(np.float32)
     w = rng.normal(size=(8, 4)).astype(np.float32)

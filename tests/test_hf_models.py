@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
+from helpers import needs
 from hf_models import (
     AugmentedImages,
     FixedTokens,
@@ -26,9 +27,7 @@ from hf_models import (
 import axon_nb
 from axon_nb import DDP, FSDP
 
-pytest.importorskip("transformers")
-pytest.importorskip("datasets")
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300), needs("transformers", "datasets")]
 
 STEPS = 12
 

@@ -41,7 +41,10 @@ def test_a_file_unmapped_since_the_last_start_is_removed_at_the_next(
 ) -> None:
     """A start asks the process seen mapping a file last time first (a pooled cluster's file
     is a candidate at every start); once that process lets go, the file goes. (The file is
-    new, and old only to these calls: another worker's starts leave it alone.)"""
+    new, and old only to these calls: another worker's starts leave it alone. These calls
+    look at this test's files only: to a clock minutes ahead, a file another worker's new
+    cluster made between them would be a candidate no pid explains.)"""
+    monkeypatch.setattr(mpi_leftovers, "PATTERN", f"/dev/shm/mpich_shm_axontest*_{os.getpid()}")
     mapped = _file("later", 0)
     later = time.time() + mpi_leftovers.STALE_S + 60
     try:
@@ -50,13 +53,9 @@ def test_a_file_unmapped_since_the_last_start_is_removed_at_the_next(
             assert mpi_leftovers._MAPPED_BY[str(mapped)] == os.getpid()
             with monkeypatch.context() as m:  # this pid explains it: no read of every maps
                 m.setattr(mpi_leftovers, "_mapped_paths", lambda: pytest.fail("read all maps"))
-                assert str(mapped) not in _ours(mpi_leftovers.remove_stale(now=later))
+                assert str(mapped) not in mpi_leftovers.remove_stale(now=later)
             assert mapped.exists()
         assert str(mapped) in mpi_leftovers.remove_stale(now=later)
         assert not mapped.exists()
     finally:
         mapped.unlink(missing_ok=True)
-
-
-def _ours(removed: list[str]) -> list[str]:
-    return [p for p in removed if "axontest" in p]

@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import needs
 
 from axon_nb.notebooks import execute
 
-pytest.importorskip("peft")
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300), needs("peft")]
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 

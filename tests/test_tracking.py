@@ -14,18 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import needs
 from models import make_data, make_mlp, mse
 
 import axon_nb
 from axon_nb.train import tracking
 from axon_nb.train.tracking_writers import local_store, metric_key
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300), needs("tensorboard", "mlflow")]
 
-EventAccumulator = pytest.importorskip(
-    "tensorboard.backend.event_processing.event_accumulator"
-).EventAccumulator
-MlflowClient = pytest.importorskip("mlflow.tracking").MlflowClient
 
 RUN: dict[str, Any] = dict(
     model=make_mlp,
@@ -52,6 +49,8 @@ def no_tracking_server(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def events(log_dir: Path) -> Any:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     accumulator = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     accumulator.Reload()
     return accumulator
@@ -84,6 +83,8 @@ def check_tensorboard(log_dir: Path, result: axon_nb.TrainResult) -> None:
 
 
 def mlflow_run(log_dir: Path, name: str = "tracked") -> Any:
+    from mlflow.tracking import MlflowClient
+
     client = MlflowClient(local_store(str(log_dir)))
     experiment = client.get_experiment_by_name(name)
     (run,) = client.search_runs([experiment.experiment_id])

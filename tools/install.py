@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+LEAVE_OUT = Path(__file__).resolve().parent / "leave_out.txt"
+"""Requirements uv drops (each with its reason); pip, which has no overrides, keeps them."""
 
 # pip's setting -> (uv's option, whether it repeats per value)
 _OPTIONS = {
@@ -84,7 +86,7 @@ def main(venv: str, torch: str, extras: str) -> int:
         args, env = uv_arguments(pip_settings(pip))
         subprocess.run(
             [str(bin_dir / "uv"), "pip", "install", *quiet, "--python", str(python),
-             *args, torch, "-e", project],
+             "--override", str(LEAVE_OUT), *args, torch, "-e", project],
             check=True, env={**os.environ, **env},
         )  # fmt: skip
         return 0
