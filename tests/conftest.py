@@ -33,7 +33,7 @@ torch.set_num_threads(1)
 # The suite runs 4 ranks on 2-core machines: more ranks than cores, on purpose.
 os.environ["AXON_NB_OVERSUBSCRIBE"] = "1"
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (_TESTS, os.environ.get("PYTHONPATH")) if p)
-# `make test` runs two workers (pytest-xdist): each has its own Jupyter runtime dir, so the
+# `make test` runs three workers (pytest-xdist): each has its own Jupyter runtime dir, so the
 # lab registry, kernels and servers of one never show up in another's tests.
 os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(
     prefix=f"axon-nb-tests-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-"
