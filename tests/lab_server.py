@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import secrets
 import shutil
@@ -23,8 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from helpers import until
-
-from axon_nb.rank.world.bootstrap import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "build" / "test-artifacts"
@@ -45,20 +44,34 @@ def jupyter_lab(
 ) -> Iterator[tuple[str, str]]:
     """JupyterLab over ``root`` on loopback, with the app exposed to page scripts; yields
     ``(base URL, token)`` and stops it afterwards. Its log goes to ``build/test-artifacts``."""
-    port, token = free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
+    environment = {**os.environ, **(env or {})}
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with (ARTIFACTS / log_name).open("w") as log:
+        # Port 0: JupyterLab binds a port the system gives it and writes it to its runtime file.
+        # (A port chosen here and closed again was once taken, in the seconds JupyterLab took
+        # to start, by another worker's ipyparallel controller; JupyterLab moved to the next
+        # port and the test talked HTTP to the controller's ZMQ socket.)
         server = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
-             f"--ServerApp.port={port}", f"--IdentityProvider.token={token}",
+             "--ServerApp.port=0", f"--IdentityProvider.token={token}",
              f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
              "--JupyterNotebookApp.expose_app_in_browser=True",
              "--ServerApp.allow_root=True", f"--LabApp.workspaces_dir={root / 'workspaces'}",
              f"--LabApp.user_settings_dir={root / 'settings'}"],
-            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            stdout=log, stderr=subprocess.STDOUT, env=environment,
         )  # fmt: skip
-        base = f"http://127.0.0.1:{port}"
+        info = Path(environment["JUPYTER_RUNTIME_DIR"]) / f"jpserver-{server.pid}.json"
+        port: list[int] = []
+
+        def read_port() -> bool:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                port.append(int(json.loads(info.read_text())["port"]))
+            return bool(port)
+
         try:
+            wait_for(read_port, 60, "JupyterLab to write its port")
+            base = f"http://127.0.0.1:{port[0]}"
             wait_for(lambda: answers(f"{base}/api/status?token={token}"), 60, "JupyterLab to start")
             yield base, token
         finally:
