@@ -57,6 +57,33 @@ def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
         sys.modules.pop("_slow_import_probe", None)
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_has_not_started_the_cell_when_interrupted_skips_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Rank 1 is still busy with an earlier request when Ctrl-C comes, so the SIGINT reaches
+    it before the cell does (it ends the earlier request): the cell must then not run on it at
+    all. It used to run unstopped, its peer gone, and the kernel waited minutes for it to
+    re-form the world (seen in a loaded suite, where a rank started a cell late)."""
+    import signal
+    import threading
+    import time
+
+    with axon_nb.Cluster(n=2, timeout=60) as cluster:
+        earlier = cluster.view([1]).apply_async(time.sleep, 3)
+        threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,)).start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            cluster.execute("print('running', flush=True)\nwhile True:\n    pass\n")
+        assert time.monotonic() - started < 15
+        assert earlier.wait(10)
+        out = capsys.readouterr().out
+        assert "[rank 0] running" in out and "[rank 1] running" not in out
+        cluster.execute("import torch.distributed as dist, torch\nt = torch.ones(1)\n"
+                        "dist.all_reduce(t)\nprint(t.item())")  # fmt: skip
+        assert "[rank 1] 2.0" in capsys.readouterr().out
+
+
 @pytest.mark.timeout(600)
 def test_ctrl_c_at_random_moments_of_cells_and_training_in_a_kernel() -> None:
     """benchmarks/cell_interrupt_fuzz.py with a smaller count (the benchmark fires 200); each

@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 
@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 
 SIGNAL_REPLY_S = 10.0
-"""How long the ranks' nannies get to confirm a signal before the kernel goes on without
-their answer (ipyparallel's blocking ``send_signal`` waits for it for ever)."""
+"""How long the ranks (their nannies, for a signal) get to confirm a control request before
+the kernel goes on without their answer (ipyparallel's blocking requests wait for ever)."""
 
 
 class Control:
@@ -50,28 +50,39 @@ class Control:
     def interrupt(self, ranks: list[int]) -> None:
         self.signal(ranks, signal.SIGINT)
 
+    def abort(self, ranks: list[int], msg_ids: list[str]) -> None:
+        """Ranks that have not started ``msg_ids`` yet skip them (ipyparallel's abort): a
+        SIGINT that reaches a rank before it starts the work (still busy with an earlier
+        request, or under load) is dropped, and the work would then run unstopped."""
+        self._control(ranks, "the abort", lambda r: self.client.abort(msg_ids, r, False))
+
     def signal(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ``ranks`` (SIGUSR1: ``faulthandler`` dumps their stacks); ranks whose
         engine the controller has dropped (dead) are skipped."""
+        # (through the engines' nannies, so it works for any launcher and host)
+        self._control(ranks, f"signal {sig}", lambda r: self.client.send_signal(sig, r, False))
+
+    def _control(self, ranks: list[int], what: str, send: Callable[[list[int]], Any]) -> None:
+        """Send a control request to the live ones of ``ranks`` and wait for their replies."""
         alive = set(self.client.ids)
         ranks = [r for r in ranks if r in alive]
         if not ranks:
             return
-        try:  # through the engines' nannies, so it works for any launcher and host
-            replies = self.client.send_signal(sig, targets=ranks, block=False)
+        try:
+            replies = send(ranks)
             failed = [
                 m["content"] for m in replies.result(timeout=SIGNAL_REPLY_S)
                 if m["content"]["status"] != "ok"
             ]  # fmt: skip
             if failed:
                 raise self.client._unwrap_exception(failed[0])
-        except concurrent.futures.TimeoutError:  # a silent nanny must not hold up the kernel
+        except concurrent.futures.TimeoutError:  # a silent engine must not hold up the kernel
             print(
-                f"ranks {ranks} did not confirm signal {sig} within {SIGNAL_REPLY_S:.0f} s",
+                f"ranks {ranks} did not confirm {what} within {SIGNAL_REPLY_S:.0f} s",
                 file=sys.stderr,
             )
-        except Exception as e:  # a dead engine cannot be signalled; the waiting loop says so
-            print(f"could not signal ranks {ranks}: {e}", file=sys.stderr)
+        except Exception as e:  # a dead engine cannot be asked; the waiting loop says so
+            print(f"could not send {what} to ranks {ranks}: {e}", file=sys.stderr)
 
     def release(self, stuck: list[int]) -> None:
         alive = set(self.client.ids)  # (a dead rank's engine cannot be asked anything)

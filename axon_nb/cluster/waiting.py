@@ -40,6 +40,9 @@ class RankControl(Protocol):
     def interrupt(self, ranks: list[int]) -> None:
         """Send SIGINT to ``ranks``."""
 
+    def abort(self, ranks: list[int], msg_ids: list[str]) -> None:
+        """Make ``ranks`` skip ``msg_ids`` if they have not started them yet."""
+
     def release(self, stuck: list[int]) -> None:
         """Make ``stuck`` ranks' pending collectives fail (their peers already left them)."""
 
@@ -143,7 +146,7 @@ def wait_for_ranks(
                 left = deadline - time.monotonic()
                 if left < 0:
                     running = _running(parts)
-                    control.interrupt(running)
+                    _interrupt(parts, control, running)
                     raise AxonError(
                         f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
                         "they were interrupted"
@@ -223,9 +226,17 @@ def _settle_after_failure(
         return ""
     running = _running(parts)
     where = control.where(running)  # before interrupting: it moves them
-    control.interrupt(running)
+    _interrupt(parts, control, running)
     _unstick(parts, control, streams)
     return where
+
+
+def _interrupt(parts: dict[int, ipp.AsyncResult], control: RankControl, ranks: list[int]) -> None:
+    """Stop ``ranks``' part of the work wherever it is: a rank that has not started it yet
+    skips it (it would drop a SIGINT that came first, then run the work with its peers gone);
+    the others get SIGINT."""
+    control.abort(ranks, [msg_id for r in ranks for msg_id in parts[r].msg_ids])
+    control.interrupt(ranks)
 
 
 def _unstick(
@@ -299,7 +310,7 @@ def _forward_interrupt(
     print(f"Interrupting ranks {_fmt(running)} ...", file=sys.stderr)
     try:
         started = time.monotonic()
-        control.interrupt(running)
+        _interrupt(parts, control, running)
         if not _unstick(parts, control, streams):
             print(
                 f"ranks {_fmt(_running(parts))} are still busy "
