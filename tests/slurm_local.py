@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,9 +38,19 @@ def missing() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range: Slurm's daemons bind the ports their
+    configuration names, seconds after it is written, and a port picked by binding port 0
+    comes from the range every other worker's controllers, kernels and servers bind from
+    (one of them took JupyterLab's that way)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(low // 2, low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port between {low // 2} and {low}")
 
 
 class LocalSlurm(Started):
