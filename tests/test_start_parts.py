@@ -112,3 +112,21 @@ def test_the_wait_for_engines_goes_on_as_each_registers(monkeypatch: pytest.Monk
     startup.wait_for_engines(cluster, client, options)  # type: ignore[arg-type]
     assert client.ids == [0, 1]
     assert client._registration_callbacks == []  # its hook taken off again
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        startup.ClusterStartError("the controller failed while starting"),  # its traceback seen
+        startup.ClusterStartError(startup.PORT_TAKEN_WHY),  # its last line seen
+        TimeoutError("no answer"),
+    ],
+    ids=["traceback", "port-line", "other"],
+)
+def test_a_start_that_lost_a_port_says_so_once_however_it_was_seen(error: Exception) -> None:
+    """Run 11: the controller's traceback was read before its last line (the taken port) was
+    written; the port race was found after, and the error that ended the start did not say
+    it."""
+    raised = startup.start_error(error, True, None)
+    assert isinstance(raised, startup.PortRace)
+    assert str(raised).count(startup.PORT_TAKEN_WHY) == 1

@@ -76,7 +76,8 @@ def start_error(error: BaseException, lost_a_port: bool, log: ClusterLog | None)
         return error  # never tried again
     tail = log_tail(log)
     if lost_a_port:
-        why = "" if isinstance(error, ClusterStartError) else f": {PORT_TAKEN_WHY}"
+        # (the controller's traceback can be seen before its last line names the taken port)
+        why = "" if PORT_TAKEN_WHY in str(error) else f": {PORT_TAKEN_WHY}"
         return PortRace(f"{error}{why}\n{tail}")
     if isinstance(error, ClusterStartError) and "cluster's log" not in str(error):
         return ClusterStartError(f"{error}\n{tail}")
