@@ -37,20 +37,22 @@ def missing() -> str | None:
     return None
 
 
-def _free_port() -> int:
+def _free_port(*, besides: int = 0) -> int:
     """A free port below the kernel's ephemeral range: Slurm's daemons bind the ports their
     configuration names, seconds after it is written, and a port picked by binding port 0
     comes from the range every other worker's controllers, kernels and servers bind from
     (one of them took JupyterLab's that way)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(low // 2, low), 200):
+    for port in random.sample(range(max(low // 2, 1024), low), 200):
+        if port == besides:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port between {low // 2} and {low}")
+    raise RuntimeError(f"no free port between {max(low // 2, 1024)} and {low}")
 
 
 class LocalSlurm(Started):
@@ -86,11 +88,12 @@ class LocalSlurm(Started):
             check=True, capture_output=True, timeout=30,
         )  # fmt: skip
         node = socket.gethostname().split(".")[0]
+        ctld_port = _free_port()
         Path(self.conf).write_text(
             f"ClusterName=axnb\nSlurmctldHost={node}\nAuthType=auth/munge\n"
             f"AuthInfo=socket={d / 'munge.sock'}\nCredType=cred/munge\n"
             "SlurmUser=root\nSlurmdUser=root\n"
-            f"SlurmctldPort={_free_port()}\nSlurmdPort={_free_port()}\n"
+            f"SlurmctldPort={ctld_port}\nSlurmdPort={_free_port(besides=ctld_port)}\n"
             f"StateSaveLocation={d / 'state'}\nSlurmdSpoolDir={d / 'spool'}\n"
             f"SlurmctldPidFile={d / 'slurmctld.pid'}\nSlurmdPidFile={d / 'slurmd.pid'}\n"
             f"SlurmctldLogFile={d / 'slurmctld.log'}\nSlurmdLogFile={d / 'slurmd.log'}\n"

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +38,6 @@ def test_interrupts_at_random_moments_leave_the_ranks_usable() -> None:
 
 
 def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
-    import signal
-    import threading
-    import time
-
     from axon_nb.rank.world.interrupts import import_safe_interrupts
 
     # A module whose import takes a while: the interrupt arrives in the middle of it.
@@ -59,29 +58,65 @@ def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_has_not_started_the_cell_when_interrupted_skips_it(
-    capsys: pytest.CaptureFixture[str],
+    cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Rank 1 is still busy with an earlier request when Ctrl-C comes, so the SIGINT reaches
     it before the cell does (it ends the earlier request): the cell must then not run on it at
     all. It used to run unstopped, its peer gone, and the kernel waited minutes for it to
     re-form the world (seen in a loaded suite, where a rank started a cell late)."""
-    import signal
-    import threading
-    import time
+    earlier = cluster.view([1]).apply_async(time.sleep, 60)  # (the SIGINT ends it)
+    threading.Timer(3.0, signal.raise_signal, (signal.SIGINT,)).start()
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        cluster.execute("print('running', flush=True)\nwhile True:\n    pass\n")
+    assert time.monotonic() - started < 20
+    assert earlier.wait(10)
+    out = capsys.readouterr().out
+    assert "[rank 0] running" in out and "[rank 1] running" not in out
+    _all_reduce_works(cluster, capsys)
 
-    with axon_nb.Cluster(n=2, timeout=60) as cluster:
-        earlier = cluster.view([1]).apply_async(time.sleep, 3)
-        threading.Timer(1.0, signal.raise_signal, (signal.SIGINT,)).start()
-        started = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            cluster.execute("print('running', flush=True)\nwhile True:\n    pass\n")
-        assert time.monotonic() - started < 15
-        assert earlier.wait(10)
-        out = capsys.readouterr().out
-        assert "[rank 0] running" in out and "[rank 1] running" not in out
-        cluster.execute("import torch.distributed as dist, torch\nt = torch.ones(1)\n"
-                        "dist.all_reduce(t)\nprint(t.item())")  # fmt: skip
-        assert "[rank 1] 2.0" in capsys.readouterr().out
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_had_not_started_a_failing_cell_skips_it_and_did_not_fail(
+    cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 raises at once while rank 1 is still busy with an earlier request: rank 1 is
+    interrupted and skips the cell, and the error names rank 0 alone (a skipped part is no
+    failure)."""
+    earlier = cluster.view([1]).apply_async(time.sleep, 60)  # (the interrupt ends it)
+    with pytest.raises(axon_nb.RankError) as failure:
+        cluster.execute("raise ValueError('boom')")
+    assert failure.value.rank == 0 and failure.value.failed_ranks == [0], failure.value
+    assert earlier.wait(10)
+    _all_reduce_works(cluster, capsys)
+
+
+def _all_reduce_works(cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    cluster.execute("import torch.distributed as dist, torch\nt = torch.ones(1)\n"
+                    "dist.all_reduce(t)\nprint(t.item())")  # fmt: skip
+    assert "[rank 1] 2.0" in capsys.readouterr().out
+
+
+def test_a_second_ctrl_c_while_the_abort_is_confirmed_still_interrupts() -> None:
+    """The SIGINT is sent however the wait for the abort's replies ends."""
+    from axon_nb.cluster.waiting import _interrupt
+
+    class Impatient:
+        def __init__(self) -> None:
+            self.interrupted: list[int] = []
+
+        def abort(self, work: dict[int, list[str]]) -> None:
+            raise KeyboardInterrupt  # (the second Ctrl-C)
+
+        def interrupt(self, ranks: list[int]) -> None:
+            self.interrupted = ranks
+
+    control = Impatient()
+    part = type("Part", (), {"msg_ids": ["m1"]})()
+    with pytest.raises(KeyboardInterrupt):
+        _interrupt({1: part}, control, [1])  # type: ignore[arg-type]
+    assert control.interrupted == [1]
 
 
 @pytest.mark.timeout(600)

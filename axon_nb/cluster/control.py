@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import ipyparallel as ipp
 
@@ -19,8 +19,12 @@ if TYPE_CHECKING:
 
 
 SIGNAL_REPLY_S = 10.0
-"""How long the ranks (their nannies, for a signal) get to confirm a control request before
-the kernel goes on without their answer (ipyparallel's blocking requests wait for ever)."""
+"""How long the ranks' nannies get to confirm a signal before the kernel goes on without
+their answer (ipyparallel's blocking ``send_signal`` waits for it for ever)."""
+
+
+ABORT_REPLY_S = 2.0
+"""How long the engines get to note an abort before the SIGINT that follows it is sent."""
 
 
 class Control:
@@ -50,39 +54,45 @@ class Control:
     def interrupt(self, ranks: list[int]) -> None:
         self.signal(ranks, signal.SIGINT)
 
-    def abort(self, ranks: list[int], msg_ids: list[str]) -> None:
-        """Ranks that have not started ``msg_ids`` yet skip them (ipyparallel's abort): a
-        SIGINT that reaches a rank before it starts the work (still busy with an earlier
-        request, or under load) is dropped, and the work would then run unstopped."""
-        self._control(ranks, "the abort", lambda r: self.client.abort(msg_ids, r, False))
+    def abort(self, work: dict[int, list[str]]) -> None:
+        """Each rank in ``work`` skips its messages there if it has not started them yet
+        (ipyparallel's abort): a SIGINT that reaches a rank before it starts the work (still
+        busy with an earlier request, or under load) ends nothing of it, and the rank would
+        then run it unstopped. Waits up to ``ABORT_REPLY_S`` for the engines to note it."""
+        alive = set(self.client.ids)
+        try:  # (an empty list would make ipyparallel abort everything queued on the engine)
+            sent = [
+                self.client.abort(ids, [r], False) for r, ids in work.items() if ids and r in alive
+            ]
+        except Exception as e:  # (a rank dropped meanwhile) the SIGINT still goes
+            print(f"could not send the abort to ranks {sorted(work)}: {e}", file=sys.stderr)
+            return
+        # A rank that does not answer in time (its GIL held in native code) still gets the
+        # SIGINT; not waiting for it is no failure worth a word.
+        concurrent.futures.wait(sent, timeout=ABORT_REPLY_S)
 
     def signal(self, ranks: list[int], sig: int) -> None:
         """Send ``sig`` to ``ranks`` (SIGUSR1: ``faulthandler`` dumps their stacks); ranks whose
         engine the controller has dropped (dead) are skipped."""
-        # (through the engines' nannies, so it works for any launcher and host)
-        self._control(ranks, f"signal {sig}", lambda r: self.client.send_signal(sig, r, False))
-
-    def _control(self, ranks: list[int], what: str, send: Callable[[list[int]], Any]) -> None:
-        """Send a control request to the live ones of ``ranks`` and wait for their replies."""
         alive = set(self.client.ids)
         ranks = [r for r in ranks if r in alive]
         if not ranks:
             return
-        try:
-            replies = send(ranks)
+        try:  # through the engines' nannies, so it works for any launcher and host
+            replies = self.client.send_signal(sig, targets=ranks, block=False)
             failed = [
                 m["content"] for m in replies.result(timeout=SIGNAL_REPLY_S)
                 if m["content"]["status"] != "ok"
             ]  # fmt: skip
             if failed:
                 raise self.client._unwrap_exception(failed[0])
-        except concurrent.futures.TimeoutError:  # a silent engine must not hold up the kernel
+        except concurrent.futures.TimeoutError:  # a silent nanny must not hold up the kernel
             print(
-                f"ranks {ranks} did not confirm {what} within {SIGNAL_REPLY_S:.0f} s",
+                f"ranks {ranks} did not confirm signal {sig} within {SIGNAL_REPLY_S:.0f} s",
                 file=sys.stderr,
             )
-        except Exception as e:  # a dead engine cannot be asked; the waiting loop says so
-            print(f"could not send {what} to ranks {ranks}: {e}", file=sys.stderr)
+        except Exception as e:  # a dead engine cannot be signalled; the waiting loop says so
+            print(f"could not signal ranks {ranks}: {e}", file=sys.stderr)
 
     def release(self, stuck: list[int]) -> None:
         alive = set(self.client.ids)  # (a dead rank's engine cannot be asked anything)

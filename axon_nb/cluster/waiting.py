@@ -40,8 +40,8 @@ class RankControl(Protocol):
     def interrupt(self, ranks: list[int]) -> None:
         """Send SIGINT to ``ranks``."""
 
-    def abort(self, ranks: list[int], msg_ids: list[str]) -> None:
-        """Make ``ranks`` skip ``msg_ids`` if they have not started them yet."""
+    def abort(self, work: dict[int, list[str]]) -> None:
+        """Make each rank in ``work`` skip its messages if it has not started them yet."""
 
     def release(self, stuck: list[int]) -> None:
         """Make ``stuck`` ranks' pending collectives fail (their peers already left them)."""
@@ -212,7 +212,11 @@ def _running(parts: dict[int, ipp.AsyncResult]) -> list[int]:
 
 
 def _failed(parts: dict[int, ipp.AsyncResult]) -> list[int]:
-    return [r for r, p in parts.items() if p.ready() and not p.successful()]
+    """Ranks whose part raised; not those that skipped it (aborted before they started)."""
+    return [
+        r for r, p in parts.items()
+        if p.ready() and not p.successful() and not isinstance(p.exception(), ipp_error.TaskAborted)
+    ]  # fmt: skip
 
 
 def _settle_after_failure(
@@ -235,8 +239,10 @@ def _interrupt(parts: dict[int, ipp.AsyncResult], control: RankControl, ranks: l
     """Stop ``ranks``' part of the work wherever it is: a rank that has not started it yet
     skips it (it would drop a SIGINT that came first, then run the work with its peers gone);
     the others get SIGINT."""
-    control.abort(ranks, [msg_id for r in ranks for msg_id in parts[r].msg_ids])
-    control.interrupt(ranks)
+    try:
+        control.abort({r: parts[r].msg_ids for r in ranks})
+    finally:  # (also when a second Ctrl-C ends the wait for the abort's replies)
+        control.interrupt(ranks)
 
 
 def _unstick(
@@ -366,6 +372,8 @@ def _is_engine_death(exc: BaseException | None) -> bool:
 
 def describe_error(exc: BaseException | None) -> tuple[str, str, str]:
     """``(ename, evalue, traceback)`` of an error a rank raised (remote or local)."""
+    if isinstance(exc, ipp_error.TaskAborted):  # (see ``_interrupt``)
+        return "KeyboardInterrupt", "interrupted before this rank started the work", ""
     if isinstance(exc, ipp_error.RemoteError):
         tb = exc.traceback if isinstance(exc.traceback, str) else "\n".join(exc.traceback or [])
         return str(exc.ename), str(exc.evalue), tb
