@@ -1,9 +1,11 @@
-"""Shared-memory files that MPI jobs ended by SIGKILL leave behind.
+"""Shared-memory files that MPI jobs leave behind.
 
-MPICH's ranks on one host share memory through a file ``/dev/shm/mpich_shm_*``, unlinked
-when the job finishes cleanly. A rank that is SIGKILLed (a dead rank, a stop that had to
-kill, a kernel that was killed) leaves it there, and on a host that runs many jobs they pile
-up in memory. Before it launches ranks, a start removes the ones of this user that no process
+MPICH's ranks on one host share memory through a file ``/dev/shm/mpich_shm_*`` (2 MB for two
+ranks), unlinked by ``MPI_Finalize``. A rank that is SIGKILLed (a dead rank, a stop that had
+to kill, a kernel that was killed) leaves it there, and so does an engine forked by the warm
+process, which ends with ``os._exit`` (``rank/world/engine_server.py``) and so never runs
+mpi4py's finalizer, even on a clean stop: on a host that runs many jobs they pile up in
+memory. Before it launches ranks, a start removes the ones of this user that no process
 maps and that are older than ``STALE_S`` (a job starting right now maps its file within
 moments). Example::
 
