@@ -59,3 +59,16 @@ def test_a_file_unmapped_since_the_last_start_is_removed_at_the_next(
         assert not mapped.exists()
     finally:
         mapped.unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(120)
+def test_a_clean_stop_leaves_no_shared_memory_file_of_its_own() -> None:
+    """Forked engines end without MPI_Finalize, which would unlink the job's file: the stop
+    does (it was left for the next start more than STALE_S later to sweep)."""
+    import axon_nb
+
+    with axon_nb.Cluster(n=2, timeout=60) as cluster:
+        assert cluster.options.engines == "mpi"
+        files = mpi_leftovers.mapped_by(r["pid"] for r in cluster.ranks)
+        assert files, "the ranks map no /dev/shm/mpich_shm_* file"
+    assert [f for f in files if os.path.exists(f)] == []

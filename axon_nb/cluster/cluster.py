@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -167,7 +168,9 @@ class Cluster(Transport):
         if self._ipp is not None:
             if self.log is not None:
                 startup.copy_launcher_output(self._ipp, self.log)
+            shared = self._mpi_files()  # (read while the ranks map them)
             stopping.end_cluster(self._ipp, self._client, ask=not self._broken)
+            mpi_leftovers.remove(shared)
             self._ipp = None
         if self._client is not None:
             self._client.close()
@@ -181,6 +184,14 @@ class Cluster(Transport):
         if self.log is not None:
             self.log.close()
         self.ranks = []
+
+    def _mpi_files(self) -> list[str]:
+        """MPICH's shared-memory files of this cluster's ranks on this host: forked engines
+        end without ``MPI_Finalize``, which would remove them (``mpi_leftovers``)."""
+        if self.options.engines != "mpi":
+            return []
+        here = socket.gethostname()
+        return mpi_leftovers.mapped_by(r["pid"] for r in self.ranks if r.get("host") == here)
 
     def restart(self, n: int | None = None) -> Cluster:
         """Stop everything and start fresh ranks with the same options (``n`` ranks if given).

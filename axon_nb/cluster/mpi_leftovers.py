@@ -5,9 +5,10 @@ ranks), unlinked by ``MPI_Finalize``. A rank that is SIGKILLed (a dead rank, a s
 to kill, a kernel that was killed) leaves it there, and so does an engine forked by the warm
 process, which ends with ``os._exit`` (``rank/world/engine_server.py``) and so never runs
 mpi4py's finalizer, even on a clean stop: on a host that runs many jobs they pile up in
-memory. Before it launches ranks, a start removes the ones of this user that no process
-maps and that are older than ``STALE_S`` (a job starting right now maps its file within
-moments). Example::
+memory. A stop removes its own job's files on this host (:func:`mapped_by` before the ranks
+end, :func:`remove` after). Before it launches ranks, a start removes the ones of this user
+that no process maps and that are older than ``STALE_S`` (a job starting right now maps its
+file within moments). Example::
 
     removed = remove_stale()  # ["/dev/shm/mpich_shm_71f5f796_0", ...]
 """
@@ -18,6 +19,7 @@ import contextlib
 import glob
 import os
 import time
+from collections.abc import Iterable
 
 PATTERN = "/dev/shm/mpich_shm_*"
 STALE_S = 120.0
@@ -47,6 +49,24 @@ def remove_stale(now: float | None = None) -> list[str]:
                 os.unlink(path)
                 removed.append(path)
     return removed
+
+
+def mapped_by(pids: Iterable[int]) -> list[str]:
+    """The MPICH shared-memory files that processes ``pids`` map now (a job's own, read while
+    its ranks live)."""
+    found: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as lines:
+            found.update(_mapped_path(line) for line in lines if "/dev/shm/mpich_shm_" in line)
+    return sorted(found)
+
+
+def remove(paths: Iterable[str]) -> None:
+    """Unlink ``paths`` (a stopped job's files; a process that still maps one keeps its
+    memory until it ends)."""
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 _MAPPED_BY: dict[str, int] = {}
