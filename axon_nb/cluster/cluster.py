@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
-import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -123,11 +122,9 @@ class Cluster(Transport):
             self._watch = WatchDir.create()
             cluster.start_controller_sync()  # a port lost meanwhile: PortRace, below
             cluster.start_engines_sync(opts.n)
+            launched = stopping.launcher_pids(cluster)
             self._reaper = reaper.spawn(
-                os.getpid(),
-                cluster.cluster_file,
-                str(self._watch.path),
-                stopping.launcher_pids(cluster),
+                os.getpid(), cluster.cluster_file, str(self._watch.path), launched
             )
             # (ipyparallel's 10 s for the controller's first answer is too short on a busy host)
             self._client = startup.connect_client(cluster, opts.start_timeout)
@@ -168,9 +165,8 @@ class Cluster(Transport):
         if self._ipp is not None:
             if self.log is not None:
                 startup.copy_launcher_output(self._ipp, self.log)
-            shared = self._mpi_files()  # (read while the ranks map them)
-            stopping.end_cluster(self._ipp, self._client, ask=not self._broken)
-            mpi_leftovers.remove(shared)
+            with mpi_leftovers.removed_after(self.ranks, self.options.engines):
+                stopping.end_cluster(self._ipp, self._client, ask=not self._broken)
             self._ipp = None
         if self._client is not None:
             self._client.close()
@@ -184,14 +180,6 @@ class Cluster(Transport):
         if self.log is not None:
             self.log.close()
         self.ranks = []
-
-    def _mpi_files(self) -> list[str]:
-        """MPICH's shared-memory files of this cluster's ranks on this host: forked engines
-        end without ``MPI_Finalize``, which would remove them (``mpi_leftovers``)."""
-        if self.options.engines != "mpi":
-            return []
-        here = socket.gethostname()
-        return mpi_leftovers.mapped_by(r["pid"] for r in self.ranks if r.get("host") == here)
 
     def restart(self, n: int | None = None) -> Cluster:
         """Stop everything and start fresh ranks with the same options (``n`` ranks if given).

@@ -1,14 +1,13 @@
 """Shared-memory files that MPI jobs leave behind.
 
 MPICH's ranks on one host share memory through a file ``/dev/shm/mpich_shm_*`` (2 MB for two
-ranks), unlinked by ``MPI_Finalize``. A rank that is SIGKILLed (a dead rank, a stop that had
-to kill, a kernel that was killed) leaves it there, and so does an engine forked by the warm
+ranks), unlinked by ``MPI_Finalize``. A rank that is SIGKILLed (a dead rank, a stop that had to
+kill, a kernel that was killed) leaves it there, and so does an engine forked by the warm
 process, which ends with ``os._exit`` (``rank/world/engine_server.py``) and so never runs
-mpi4py's finalizer, even on a clean stop: on a host that runs many jobs they pile up in
-memory. A stop removes its own job's files on this host (:func:`mapped_by` before the ranks
-end, :func:`remove` after). Before it launches ranks, a start removes the ones of this user
-that no process maps and that are older than ``STALE_S`` (a job starting right now maps its
-file within moments). Example::
+mpi4py's finalizer, even on a clean stop: on a host that runs many jobs they pile up in memory.
+A stop removes its own job's files on this host (:func:`removed_after`). Before it launches
+ranks, a start removes the ones of this user that no process maps and that are older than
+``STALE_S`` (a job starting right now maps its file within moments). Example::
 
     removed = remove_stale()  # ["/dev/shm/mpich_shm_71f5f796_0", ...]
 """
@@ -18,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 PATTERN = "/dev/shm/mpich_shm_*"
 STALE_S = 120.0
@@ -61,12 +62,23 @@ def mapped_by(pids: Iterable[int]) -> list[str]:
     return sorted(found)
 
 
-def remove(paths: Iterable[str]) -> None:
-    """Unlink ``paths`` (a stopped job's files; a process that still maps one keeps its
-    memory until it ends)."""
-    for path in paths:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+@contextlib.contextmanager
+def removed_after(ranks: Iterable[Mapping[str, Any]], engines: str) -> Iterator[None]:
+    """Unlink, once the block (which ends them) is over, the files that ``ranks`` (rows of
+    ``Cluster.ranks``) on this host map as it begins; MPI engines only. A process that still
+    maps one keeps its memory until it ends. Example::
+
+        with removed_after(cluster.ranks, "mpi"):
+            stopping.end_cluster(...)
+    """
+    here = socket.gethostname()
+    paths = mapped_by(r["pid"] for r in ranks if r.get("host") == here) if engines == "mpi" else []
+    try:
+        yield
+    finally:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 _MAPPED_BY: dict[str, int] = {}
