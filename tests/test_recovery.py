@@ -179,7 +179,9 @@ def test_a_rank_that_cannot_come_back_is_left_out(tmp_path: Path) -> None:
             checkpoint_every=4,
             max_restarts=3,
             min_ranks=2,
-            metrics_interval_s=0.05,  # seven steps can take less than the default 0.5 s
+            # every step's record streams (a step can take less than any interval: the
+            # restarted run's steps took 24 ms under a 50 ms one, and streamed up to step 4)
+            metrics_interval_s=1e-6,
         )
         # rank 3 died at its 7th step, and again after a restart on 4 ranks; 3 ranks
         # cannot split batch_size=16, so the run went on with 2
