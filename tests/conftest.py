@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import fresh_world_sum
 from IPython.core.interactiveshell import InteractiveShell
 
 import axon_nb
@@ -81,7 +82,7 @@ class ClusterPool:
         if len(cluster.ranks) != n or cluster._client.outstanding:  # a run left going
             return False
         try:
-            return cluster.run(_fresh_world_sum, stream=False) == [n] * n
+            return cluster.run(fresh_world_sum, stream=False) == [n] * n
         except Exception:
             return False
 
@@ -89,21 +90,6 @@ class ClusterPool:
         for cluster, _ in self._clusters.values():
             cluster.stop()
         self._clusters.clear()
-
-
-def _fresh_world_sum() -> int:
-    """(On every rank) forget the runs kept between calls; an all-reduce of ones."""
-    import torch
-    import torch.distributed as dist
-
-    from axon_nb.rank.training import trainstate
-
-    for name in list(trainstate.runs()):
-        trainstate.drop(name)
-
-    t = torch.ones(1)
-    dist.all_reduce(t)
-    return int(t.item())
 
 
 @pytest.fixture(scope="session")

@@ -83,3 +83,20 @@ def ctrl_c_when(check: Callable[[], Any], seconds: float = 60.0) -> threading.Ev
 
     threading.Thread(target=watch, daemon=True).start()
     return off
+
+
+def fresh_world_sum() -> int:
+    """(On every rank) forget the runs kept between calls; an all-reduce of ones. The pool's
+    health check (conftest.py): it lives here, as the ranks import the module of a function
+    they are sent, and conftest.py changes the environment of whatever imports it."""
+    import torch
+    import torch.distributed as dist
+
+    from axon_nb.rank.training import trainstate
+
+    for name in list(trainstate.runs()):
+        trainstate.drop(name)
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return int(t.item())

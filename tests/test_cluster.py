@@ -8,12 +8,16 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from helpers import ctrl_c_when, engine_pids, wait_gone
 from helpers import nannies as cluster_nannies
 
 import axon_nb
+
+if TYPE_CHECKING:
+    from conftest import ClusterPool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -55,6 +59,21 @@ def test_ranks_form_one_world_with_torchrun_environment(cluster4: axon_nb.Cluste
         assert env["MASTER_ADDR"] == "127.0.0.1"  # loopback: every rank is local
     assert len({o["env"]["MASTER_PORT"] for o in out}) == 1
     assert [r["device"] for r in cluster4.ranks] == ["cpu"] * 4
+
+
+def _imported(module: str) -> bool:
+    return module in sys.modules
+
+
+def test_the_pools_health_check_does_not_import_conftest_on_the_ranks(
+    cluster_pool: ClusterPool,
+) -> None:
+    """The suite's harness stays out of the ranks: conftest.py sets the environment of what
+    imports it (a runtime directory, PYTHONPATH, one torch thread), and a rank that imported
+    it once left an empty directory in /tmp at each of its ends (os._exit skips atexit)."""
+    cluster = cluster_pool.get(2)
+    assert cluster_pool.get(2) is cluster  # the second get checked its health on the ranks
+    assert cluster.run(_imported, "conftest", stream=False) == [False, False]
 
 
 def test_run_passes_arguments_and_selects_ranks(cluster4: axon_nb.Cluster) -> None:
