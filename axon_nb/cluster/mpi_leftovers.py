@@ -55,11 +55,8 @@ def remove_stale(now: float | None = None) -> list[str]:
 def mapped_by(pids: Iterable[int]) -> list[str]:
     """The MPICH shared-memory files that processes ``pids`` map now (a job's own, read while
     its ranks live)."""
-    found: set[str] = set()
-    for pid in pids:
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as lines:
-            found.update(_mapped_path(line) for line in lines if "/dev/shm/mpich_shm_" in line)
-    return sorted(found)
+    prefix = PATTERN.removesuffix("*")
+    return sorted({path for pid in pids for path in _shm_paths(pid) if path.startswith(prefix)})
 
 
 @contextlib.contextmanager
@@ -87,11 +84,7 @@ _MAPPED_BY: dict[str, int] = {}
 
 def _maps(pid: int, path: str) -> bool:
     """True when process ``pid`` maps ``path``."""
-    if pid <= 0:
-        return False
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as lines:
-        return any(path in line and _mapped_path(line) == path for line in lines)
-    return False
+    return pid > 0 and path in _shm_paths(pid)
 
 
 def _mapped_paths() -> dict[str, int]:
@@ -99,16 +92,17 @@ def _mapped_paths() -> dict[str, int]:
     with one such pid (kept in ``_MAPPED_BY``)."""
     found: dict[str, int] = {}
     for maps in glob.glob("/proc/[0-9]*/maps"):
-        with contextlib.suppress(OSError), open(maps) as lines:
-            pid = int(maps.split("/")[2])
-            for line in lines:
-                if "/dev/shm/" in line:
-                    found.setdefault(_mapped_path(line), pid)
+        pid = int(maps.split("/")[2])
+        for path in _shm_paths(pid):
+            found.setdefault(path, pid)
     _MAPPED_BY.clear()
     _MAPPED_BY.update(found)
     return found
 
 
-def _mapped_path(line: str) -> str:
-    """The file of one line of ``/proc/PID/maps``."""
-    return line.split(None, 5)[-1].strip().removesuffix(" (deleted)")
+def _shm_paths(pid: int) -> Iterator[str]:
+    """The ``/dev/shm`` files process ``pid`` maps, one per mapping (none once it has ended)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as lines:
+        for line in lines:
+            if "/dev/shm/" in line:  # the file is the line's last field
+                yield line.split(None, 5)[-1].strip().removesuffix(" (deleted)")
