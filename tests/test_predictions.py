@@ -3,13 +3,13 @@ probe of the model on a rank) against what the ranks measure, for every strategy
 reference GPT: within 10% for peak memory and 5% for communication bytes per step.
 
 The figures come from ``cluster.compare``, which puts the predictions beside the measured
-values in each row.
+values in each row. The pool's ranks measure them as fresh ones do: a CPU rank's peak follows
+storages, not the addresses the allocator hands out (``metrics/peak.py``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import pytest
 from equivalence import check_predictions
@@ -43,24 +43,6 @@ FOUR_RANKS = [
     FSDP(), FSDP(sharding="hybrid_shard", shard_size=2), Hybrid(dp=2, tp=2),
     Hybrid(dp=2, pp=2, data_parallel="ddp"), Hybrid(dp=2, pp=2), Hybrid(tp=2, pp=2),
 ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    """Fresh ranks, not the pool's. On a CPU rank the measured peak comes from the storages
-    that operators return, counted by address (``metrics/peak.py``); on ranks that ran other
-    modules' work the allocator reuses addresses in another order, and a full run once
-    measured Hybrid(dp=2, pp=2) below its prediction by more than the 10% allowed (x1.122),
-    which fresh ranks measure within it."""
-    with axon_nb.Cluster(n=2, timeout=120) as fresh:
-        yield fresh
-
-
-@pytest.fixture(scope="module")
-def cluster4() -> Iterator[axon_nb.Cluster]:
-    """Four fresh ranks (see ``cluster``)."""
-    with axon_nb.Cluster(n=4, timeout=120) as fresh:
-        yield fresh
 
 
 def _check(table: axon_nb.train.compare.Comparison) -> None:

@@ -13,10 +13,10 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                the order gradients arrived (the old ones go after); with activation
                checkpointing ``2 T b``: the peak then comes late in backward, when the
                gradients and their copies in the buckets are both whole
-``grads``      ``T b``; none where FSDP shards them: each unit's reduce-scatter makes
-               its gradient shards after the unit's backward, and at the peak, in the
+``grads``      ``T b``; none under FSDP (sharded or not): each unit's reduce-scatter
+               makes its gradients after the unit's backward, and at the peak, in the
                first units' backward, that unit's whole gradients are in ``gathered`` and
-               (almost) no shard exists yet. In a pipeline FSDP accumulates whole
+               (almost) none exist yet. In a pipeline FSDP accumulates whole
                gradients over the micro-batches and reduce-scatters after the last:
                ``T b``
 ``activations``  saved activations of the rank's layers x the samples in flight (a
@@ -32,7 +32,8 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                gradients back: ``batch x boundary bytes`` each way it receives; none
                come back to a stage when it and every layer before it are frozen), and
                ``T b`` of weight gradients a micro-batch's backward returns before they
-               are added to the accumulated ones
+               are added to the accumulated ones (under FSDP, which adds them unit by
+               unit, the largest unit's)
 ``experts``    with expert parallelism (``ep`` ranks), the expert parameters ``X`` are
                taken out of ``P`` and ``T`` above and counted as ``X / ep`` of
                parameters, gradients and optimizer state on every rank
@@ -40,10 +41,9 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                prefetched next) and one unit's whole gradients on their way into its
                reduce-scatter; without resharding after forward, all the units' whole
                parameters (copies beside the shards, which stay) and one unit's
-               gradients. A pipeline stage is one FSDP unit (its layers are not in a
-               ``ModuleList``):
-               ``P b`` gathered, and ``T b`` more for the reduce-scatter's copy of the
-               accumulated gradients
+               gradients. A pipeline stage is sharded layer by layer, and FSDP keeps
+               each unit whole after its backward until the last micro-batch's: at the
+               peak, in the second micro-batch's backward, ``P b`` gathered
 =============  ==================================================================
 
 The peak is their sum: the terms are those alive at the start of backward, when the
@@ -101,7 +101,7 @@ def predict_memory(
         "grads": _grads(layout, trained * b) + mine * b,
         "activations": half * _activations(layers, layout),
         "backward": backward,
-        "pipeline": _pipeline(profile, layout, trained * b),
+        "pipeline": _pipeline(profile, layout, _returned_grads(layers, layout, b)),
         "gathered": _gathered(layers, layout, tp, b if compute not in HALF else 2),
     }
     offloaded = 0.0
@@ -163,28 +163,43 @@ def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) ->
 
 def _grads(layout: RankLayout, trained_bytes: float) -> float:
     """The ``grads`` term: gradients of ``trained_bytes`` of parameters alive at the peak."""
-    if layout.kind == "fsdp" and layout.param_shards > 1 and layout.dims.pp == 1:
-        return 0.0  # each unit's reduce-scatter makes its shards after its backward: none yet
+    if layout.kind == "fsdp" and layout.dims.pp == 1:
+        return 0.0  # each unit's reduce-scatter makes its gradients after its backward: none yet
     return trained_bytes  # (a pipeline accumulates them whole over its micro-batches)
 
 
-def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -> float:
-    shards = layout.param_shards
-    if layout.kind != "fsdp" or shards == 1:
-        return 0.0
-    # (parameters, trainable parameters) of each FSDP unit: the blocks, and the rest
-    blocks = [layer for layer in layers if layer.block]
-    rest = [layer for layer in layers if not layer.block]
+def _returned_grads(layers: list[LayerProfile], layout: RankLayout, b: int) -> float:
+    """Weight gradients a pipeline micro-batch's backward returns before they are added to
+    the accumulated ones: all of the stage's, or under FSDP the largest unit's."""
+    trainable = [t for _, t in _units(layers, layout, layout.dims.tp)]
+    return (max(trainable) if layout.kind == "fsdp" else sum(trainable)) * b
 
-    def own(layer: LayerProfile) -> float:  # what FSDP gathers: experts stay as they are
+
+def _units(layers: list[LayerProfile], layout: RankLayout, tp: int) -> list[tuple[float, float]]:
+    """(parameters, trainable parameters) of each FSDP unit: the blocks and the rest, or
+    in a pipeline stage each layer (``parallel.fsdp``); experts stay outside, sharded on
+    their own axis."""
+
+    def own(layer: LayerProfile) -> float:
         return layout.experts([layer])
 
+    if layout.dims.pp > 1:
+        return [(x.local_params(tp) - own(x), x.local_trainable(tp) - own(x)) for x in layers]
+    blocks = [layer for layer in layers if layer.block]
+    rest = [layer for layer in layers if not layer.block]
     units = [(x.local_params(tp) - own(x), x.local_trainable(tp) - own(x)) for x in blocks]
     units.append((sum(x.local_params(tp) - own(x) for x in rest),
                   sum(x.local_trainable(tp) - own(x) for x in rest)))  # fmt: skip
+    return units
+
+
+def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -> float:
+    if layout.kind != "fsdp" or layout.param_shards == 1:
+        return 0.0
     assert layout.config.fsdp is not None
-    if layout.dims.pp > 1:  # the stage is one unit
-        return sum(p + t for p, t in units) * b
+    units = _units(layers, layout, tp)
+    if layout.dims.pp > 1:  # every unit stays whole after its backward until the last one's
+        return sum(p for p, _ in units) * b
     whole = sorted(p for p, _ in units)  # whole copies, beside the shards
     if layout.config.fsdp.reshard_after_forward:
         whole = whole[-2:]  # the unit running and the prefetched next
