@@ -39,7 +39,10 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                parameters, gradients and optimizer state on every rank
 ``gathered``   FSDP: whole parameters of two units at once (the one running and the
                prefetched next) and one unit's whole gradients on their way into its
-               reduce-scatter; without resharding after forward, all the units' whole
+               reduce-scatter, less the saved activations of the layers after the
+               blocks (the head's): these units are gathered in the blocks' backward,
+               after the head's has freed those, and add to the peak only what they
+               exceed them by; without resharding after forward, all the units' whole
                parameters (copies beside the shards, which stay) and one unit's
                gradients. A pipeline stage is sharded layer by layer, and FSDP keeps
                each unit whole after its backward until the last micro-batch's: at the
@@ -91,6 +94,8 @@ def predict_memory(
     replicated = layout.kind in ("ddp", "zero1")
     # the loss's gradient and temporaries, in fp32 whatever the compute dtype
     backward = profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
+    gathered_bytes = b if compute not in HALF else 2
+    freed = half * _saved_after_blocks(layers, layout)  # before FSDP gathers in backward
     terms = {
         "params": local * b / layout.param_shards + mine * b,
         "optimizer": (trained / layout.optimizer_shards + mine) * state_bytes(optimizer),
@@ -102,7 +107,7 @@ def predict_memory(
         "activations": half * _activations(layers, layout),
         "backward": backward,
         "pipeline": _pipeline(profile, layout, _returned_grads(layers, layout, b)),
-        "gathered": _gathered(layers, layout, tp, b if compute not in HALF else 2),
+        "gathered": _gathered(layers, layout, tp, gathered_bytes, freed=freed),
     }
     offloaded = 0.0
     if fsdp is not None and fsdp.cpu_offload:
@@ -145,6 +150,15 @@ def _activations(layers: list[LayerProfile], layout: RankLayout) -> float:
         block_index += layer.block
         previous_output = layer.output_bytes
     return per_sample * layout.samples_in_flight + rebuilt * layout.micro_samples
+
+
+def _saved_after_blocks(layers: list[LayerProfile], layout: RankLayout) -> float:
+    """Saved activations of the layers after the last block (a final norm, the head), which
+    their backward frees before the blocks' backward begins."""
+    last = max((i for i, layer in enumerate(layers) if layer.block), default=len(layers) - 1)
+    sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
+    tail = layers[last + 1 :]
+    return sum(x.local_saved(layout.dims.tp, sequence) for x in tail) * layout.samples_in_flight
 
 
 def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) -> float:
@@ -193,7 +207,9 @@ def _units(layers: list[LayerProfile], layout: RankLayout, tp: int) -> list[tupl
     return units
 
 
-def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -> float:
+def _gathered(
+    layers: list[LayerProfile], layout: RankLayout, tp: int, b: int, *, freed: float
+) -> float:
     if layout.kind != "fsdp" or layout.param_shards == 1:
         return 0.0
     assert layout.config.fsdp is not None
@@ -201,6 +217,8 @@ def _gathered(layers: list[LayerProfile], layout: RankLayout, tp: int, b: int) -
     if layout.dims.pp > 1:  # every unit stays whole after its backward until the last one's
         return sum(p for p, _ in units) * b
     whole = sorted(p for p, _ in units)  # whole copies, beside the shards
-    if layout.config.fsdp.reshard_after_forward:
-        whole = whole[-2:]  # the unit running and the prefetched next
-    return (sum(whole) + max(t for _, t in units)) * b
+    if not layout.config.fsdp.reshard_after_forward:  # all whole since the forward
+        return (sum(whole) + max(t for _, t in units)) * b
+    # gathered again in backward: the unit running and the prefetched next, once the layers
+    # after the blocks have freed their saved activations (the peak is the larger moment)
+    return max(0.0, (sum(whole[-2:]) + max(t for _, t in units)) * b - freed)
