@@ -78,9 +78,9 @@ def join_world(plan: RankPlan, timeout_s: float, watch_dir: str | None) -> dict[
 
 def free_port() -> int:
     """A free TCP port on this rank's host (for a new rendezvous)."""
-    from axon_nb.rank.world import bootstrap
+    from axon_nb.rank.world.rendezvous_port import free_port as pick
 
-    return bootstrap.free_port()
+    return pick()
 
 
 def reform(master_port: int) -> dict[str, object]:

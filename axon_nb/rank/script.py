@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 from axon_nb.rank import runtime
-from axon_nb.rank.world.bootstrap import free_port
+from axon_nb.rank.world.rendezvous_port import free_port
 
 TERMINATE_GRACE_S = 5.0
 

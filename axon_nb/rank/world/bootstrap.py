@@ -16,6 +16,7 @@ import psutil
 
 from axon_nb.rank import runtime
 from axon_nb.rank.world import world
+from axon_nb.rank.world.rendezvous_port import free_port
 from axon_nb.spec.bootstrap_spec import BootstrapSpec, address_toward
 from axon_nb.spec.placement import PlacementError, Probe, RankPlan, plan_world
 
@@ -139,12 +140,6 @@ def _predefine_names(ctx: runtime.RankContext) -> None:
         shell.user_ns.update(
             rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank, device=ctx.device
         )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _address(host: str, spec: BootstrapSpec) -> str:
