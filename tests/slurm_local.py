@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import shutil
 import signal
 import socket
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import psutil
 from started import Started
+
+from axon_nb.rank.world.rendezvous_port import free_port
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -38,21 +39,13 @@ def missing() -> str | None:
 
 
 def _free_port(*, besides: int = 0) -> int:
-    """A free port below the kernel's ephemeral range: Slurm's daemons bind the ports their
-    configuration names, seconds after it is written, and a port picked by binding port 0
-    comes from the range every other worker's controllers, kernels and servers bind from
-    (one of them took JupyterLab's that way)."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(max(low // 2, 1024), low), 200):
-        if port == besides:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port between {max(low // 2, 1024)} and {low}")
+    """A free port below the kernel's ephemeral range (``rank/world/rendezvous_port.py``):
+    Slurm's daemons bind the ports their configuration names, seconds after it is written,
+    and a port picked by binding port 0 comes from the range every other worker's
+    controllers, kernels and servers bind from (one of them took JupyterLab's that way)."""
+    while (port := free_port()) == besides:
+        pass
+    return port
 
 
 class LocalSlurm(Started):

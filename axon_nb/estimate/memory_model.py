@@ -106,7 +106,7 @@ def predict_memory(
         "grads": _grads(layout, trained * b) + mine * b,
         "activations": half * _activations(layers, layout),
         "backward": backward,
-        "pipeline": _pipeline(profile, layout, _returned_grads(layers, layout, b)),
+        "pipeline": _pipeline(profile, layout, _returned_grads(layers, layout, trained * b, b)),
         "gathered": _gathered(layers, layout, tp, gathered_bytes, freed=freed),
     }
     offloaded = 0.0
@@ -182,11 +182,15 @@ def _grads(layout: RankLayout, trained_bytes: float) -> float:
     return trained_bytes  # (a pipeline accumulates them whole over its micro-batches)
 
 
-def _returned_grads(layers: list[LayerProfile], layout: RankLayout, b: int) -> float:
+def _returned_grads(
+    layers: list[LayerProfile], layout: RankLayout, trained_bytes: float, b: int
+) -> float:
     """Weight gradients a pipeline micro-batch's backward returns before they are added to
-    the accumulated ones: all of the stage's, or under FSDP the largest unit's."""
-    trainable = [t for _, t in _units(layers, layout, layout.dims.tp)]
-    return (max(trainable) if layout.kind == "fsdp" else sum(trainable)) * b
+    the accumulated ones: all the stage's ``trained_bytes``, or under FSDP (which adds them
+    unit by unit) the largest unit's."""
+    if layout.kind != "fsdp":
+        return trained_bytes
+    return max(t for _, t in _units(layers, layout, layout.dims.tp)) * b
 
 
 def _units(layers: list[LayerProfile], layout: RankLayout, tp: int) -> list[tuple[float, float]]:

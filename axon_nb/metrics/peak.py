@@ -99,9 +99,10 @@ class PeakTracker(TorchDispatchMode):
     def _resized(self, storage: torch.UntypedStorage, before: int) -> None:
         """A storage went from ``before`` bytes to its size now. One this tracker has not seen
         was there before it started (``held_bytes`` has it): its change is what counts."""
-        if storage._cdata not in self._live:
+        if storage._cdata in self._live:
+            self._count(storage._cdata, storage.nbytes())
+        else:
             self._start(storage, before)
-        self._count(storage._cdata, storage.nbytes())
 
     def _start(self, storage: torch.UntypedStorage, before: int) -> None:
         key = storage._cdata
