@@ -4,7 +4,7 @@ equals ``train_local`` on the same collection computed in one process."""
 
 from __future__ import annotations
 
-import socket
+import http.client
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -67,7 +67,7 @@ def test_the_ranks_are_the_dask_workers_on_loopback(cluster: axon_nb.Cluster) ->
     assert sorted(by_pid.values()) == sorted(r["pid"] for r in cluster.ranks)  # in the engines
     hosts = {urlsplit(a).hostname for a in [client.scheduler.address, *info["workers"]]}
     assert hosts == {"127.0.0.1"}
-    assert "127.0.0.1" in client.dashboard_link
+    assert client.scheduler.address.startswith("tls://")  # (tests/test_security.py: refused)
     assert cluster.dask() is client  # made once
     assert "dask scheduler" in cluster.exposure()
     assert pids  # named per rank
@@ -139,8 +139,27 @@ def test_dask_comes_back_after_a_restart(cluster: axon_nb.Cluster) -> None:
     assert before.status != "running"
 
 
-def test_the_dask_dashboard_binds_loopback(cluster: axon_nb.Cluster) -> None:
-    link = urlsplit(cluster.dask().dashboard_link)
-    with socket.create_connection((link.hostname, link.port), timeout=5):
-        pass
-    assert link.hostname == "127.0.0.1"
+def _status(link: str, route: str) -> int:
+    parts = urlsplit(link)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    connection.request("GET", route)
+    return connection.getresponse().status
+
+
+def test_the_dask_dashboard_is_off_unless_asked_for_and_then_on_loopback(
+    cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    client = cluster.dask()
+    # dask's HTTP server listens (on loopback) but serves nothing: no dashboard, health,
+    # call stacks, logs or metrics
+    assert urlsplit(client.dashboard_link).hostname == "127.0.0.1"
+    for route in ("/status", "/health", "/info/main/workers.html", "/metrics", "/sidecar"):
+        assert _status(client.dashboard_link, route) == 404, route
+    with_dashboard = cluster.dask(dashboard=True)
+    said = capsys.readouterr().out
+    link = with_dashboard.dashboard_link
+    assert f"dashboard on {link} (loopback only)" in said and "TLS" in said
+    assert urlsplit(link).hostname == "127.0.0.1"
+    assert _status(link, "/status") == 200
+    assert dask.compute(da.ones(10, chunks=5).sum(), scheduler=with_dashboard)[0] == 10
+    assert cluster.dask() is with_dashboard  # kept while it serves

@@ -53,7 +53,7 @@ def test_a_one_host_cluster_listens_on_loopback_only(tmp_path: Path) -> None:
             checkpoint_dir=tmp_path, checkpoint_every=2,
         )  # fmt: skip
         listening = _listening()
-        assert any("ipyparallel.controller" in cmd for _, cmd, _, _ in listening)
+        assert any("controller_process" in cmd for _, cmd, _, _ in listening)
         # the engines (gloo, zmq) and their nannies: all seen
         engines = set(engine_pids(cluster))
         nanny_pids = {nanny.pid for nanny in nannies(cluster)}

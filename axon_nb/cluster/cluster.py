@@ -19,7 +19,12 @@ from axon_nb.cluster.exposure import describe_exposure
 from axon_nb.cluster.hangs import WatchDir
 from axon_nb.cluster.host_fit import check_fits_here
 from axon_nb.cluster.lab_registry import LabRegistry
-from axon_nb.cluster.launchers import CONTROLLER_ARGS, LAUNCHERS
+from axon_nb.cluster.launchers import (
+    CONTROLLER_ARGS,
+    LAUNCHERS,
+    cluster_tls,
+    configure_controller,
+)
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.transport import Transport
@@ -120,6 +125,7 @@ class Cluster(Transport):
         self._ipp = cluster
         try:
             self._watch = WatchDir.create()
+            configure_controller(cluster, self._watch.path)
             cluster.start_controller_sync()  # a port lost meanwhile: PortRace, below
             cluster.start_engines_sync(opts.n)
             launched = stopping.launcher_pids(cluster)
@@ -161,7 +167,7 @@ class Cluster(Transport):
             self._registry.close()
             self._registry = None
         self._dask_rows = []
-        self._dask.close()
+        self._dask.forget()
         if self._ipp is not None:
             if self.log is not None:
                 startup.copy_launcher_output(self._ipp, self.log)
@@ -364,16 +370,19 @@ class Cluster(Transport):
         """
         return features.rescue(**_forward(locals()))
 
-    def dask(self) -> distributed.Client:
+    def dask(self, *, dashboard: bool = False) -> distributed.Client:
         """A ``distributed.Client`` whose workers are the ranks (one per rank, in its engine
-        process), its scheduler in the controller; bound like the rest of the cluster. Made on
-        first use and again after a restart; stopped with the cluster. Example::
+        process), its scheduler in the controller; bound like the rest of the cluster, over
+        TLS with the cluster's own certificates. ``dashboard=True`` serves dask's dashboard
+        on loopback. Made on first use and again after a restart; stopped with the cluster;
+        prints where it listens. Example::
 
-            client = cluster.dask()          # shows the dask dashboard link in a notebook
+            client = cluster.dask()
             df = dd.read_parquet("data/*.parquet").persist()   # read by the ranks
         """
         _ = self.client  # raises when the cluster is not running
-        return self._dask.ensure(self)
+        assert self._watch is not None  # (running)
+        return self._dask.ensure(self, cluster_tls(self._watch.path), dashboard=dashboard)
 
     def hold_dask_rows(self, futures: list[Any]) -> None:
         """Keep the dask futures of the latest run's rows alive (the previous run's go)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import ipyparallel as ipp
 
 from axon_nb.cluster import warm_engines
+from axon_nb.cluster.dask_tls import ClusterTLS, scheduler_environment
 from axon_nb.cluster.options import ClusterOptions, format_hosts
 from axon_nb.errors import ClusterStartError
 from axon_nb.spec.bootstrap_spec import address_toward
@@ -52,9 +53,44 @@ is counted as connected only after a heartbeat, which cost up to 6 s of every st
 is dropped after 30 s without answering a beat (it answers from a thread outside the GIL)."""
 
 
+CONTROLLER_CMD = [sys.executable, "-m", "axon_nb.cluster.controller_process"]
+"""ipyparallel's controller with CurveZMQ, an HMAC key and an owner-only umask."""
+
+
+def configure_controller(cluster: ipp.Cluster, private_dir: Path) -> None:
+    """The controller's command (:data:`CONTROLLER_CMD`) and environment: dask's settings for
+    the scheduler ``cluster.dask()`` asks it for (TLS with the cluster's certificates in
+    ``private_dir``, no HTTP routes, scratch in ``private_dir``).
+
+    The IPython profile directory, where ipyparallel writes connection files and the
+    controller's and engines' output (files it makes 0644, in a 0755 ``log/``), is made
+    owner-only: with a home directory others can enter, they could read those."""
+    profile = Path(cluster.profile_dir)
+    profile.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(profile, 0o700)
+    launcher = cluster.config.LocalControllerLauncher
+    launcher.controller_cmd = list(CONTROLLER_CMD)
+    launcher.environment = scheduler_environment(cluster_tls(private_dir), private_dir)
+
+
+def cluster_tls(private_dir: Path) -> ClusterTLS:
+    """The cluster's dask certificates, in its owner-only directory."""
+    return ClusterTLS(Path(private_dir) / "tls")
+
+
 def engine_environment(log_path: str) -> dict[str, str]:
-    """What every engine launcher adds to the ranks' environment: where engines write."""
-    return {"AXON_NB_ENGINE_LOG": log_path}
+    """What every engine launcher adds to the ranks' environment: where engines write, and
+    torch's compile cache in the user's own cache directory (by default it is
+    ``/tmp/torchinductor_<user>``, a name any other user can create first)."""
+    return {"AXON_NB_ENGINE_LOG": log_path, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache())}
+
+
+def compile_cache() -> Path:
+    """``$XDG_CACHE_HOME/axon_nb/torchinductor`` (``~/.cache/...``), its parent made 0700."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    parent = Path(cache) / "axon_nb"
+    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return parent / "torchinductor"
 
 
 def warm_engine_environment() -> dict[str, str]:

@@ -219,12 +219,21 @@ def copy_run(source: str, spec_bytes: bytes) -> int:
     return relayout.copy_run(spec, runtime.context(), trainstate.get(source)).step
 
 
-def start_dask_worker(scheduler: str) -> None:
-    """Start this rank's dask worker, named for the rank (``Cluster.dask``)."""
+def start_dask_worker(scheduler: str, pem: tuple[str, str, str]) -> None:
+    """Start this rank's dask worker, named for the rank, with the cluster's authority,
+    worker certificate and key as text (``Cluster.dask``)."""
     from axon_nb.rank import runtime
     from axon_nb.rank.data import dask_worker
 
-    dask_worker.start_worker(scheduler, f"rank-{runtime.context().rank}")
+    context = runtime.context()
+    dask_worker.start_worker(scheduler, f"rank-{context.rank}", pem, context.private_dir)
+
+
+def stop_dask_worker() -> None:
+    """End this rank's dask worker, if it runs (a ``Cluster.dask`` that failed)."""
+    from axon_nb.rank.data import dask_worker
+
+    dask_worker.stop_worker()
 
 
 def save_pretrained(name: str, partial: str) -> int:

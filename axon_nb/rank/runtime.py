@@ -41,6 +41,10 @@ class RankContext:
     """When every rank is on one host: the owner-only directory whose file is the rendezvous
     store (a ``FileStore``, so no rank listens on a port for it); None: a ``TCPStore`` on
     ``master_addr:master_port``."""
+    private_dir: str | None = None
+    """The cluster's owner-only directory where it exists on this host (the kernel's): what
+    the rank writes for the cluster (a dask worker's scratch) goes under it; None elsewhere,
+    where such files go to a new owner-only directory of their own."""
 
     def summary(self) -> dict[str, Any]:
         """Plain-data description, safe to send to the kernel (no torch objects)."""

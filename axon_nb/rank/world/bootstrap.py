@@ -105,6 +105,7 @@ def join_world(
         timeout_s=timeout_s,
         # a store file where the kernel's owner-only directory is local; else a TCPStore
         store_dir=watch_dir if all_local and kernel_host in (None, plan.host) else None,
+        private_dir=watch_dir if watch_dir and os.path.isdir(watch_dir) else None,
     )
     world.init_process_group(ctx)
     runtime.set_context(ctx)

@@ -1,0 +1,57 @@
+"""Other users of this machine for security tests: a cluster's owner who is not root, and a
+stranger (``nobody``), each running the system's Python with this project's environment on
+``PYTHONPATH`` (the venv's own python lives in root's home, which they cannot enter; both are
+CPython 3.11, so the venv's compiled packages load).
+
+    env = user_env(home)                       # for the owner, whose home is ``home``
+    subprocess.run(as_user("nobody", ["python3", "probe.py"]), env=user_env(...))
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+OWNER = "daemon"
+"""The cluster's owner in these tests: an unprivileged account every Debian has."""
+STRANGER = "nobody"
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def missing() -> str | None:
+    """Why other users cannot be tested here, or None."""
+    if os.geteuid() != 0:
+        return "needs root (to run as other users)"
+    if shutil.which("runuser") is None:
+        return "needs runuser"
+    if not os.path.exists(SYSTEM_PYTHON):
+        return f"needs {SYSTEM_PYTHON}"
+    version = os.popen(f"{SYSTEM_PYTHON} -c 'import sys; print(sys.version_info[:2])'").read()
+    if version.strip() != str(tuple(sys.version_info[:2])):
+        return f"{SYSTEM_PYTHON} is not Python {sys.version_info[0]}.{sys.version_info[1]}"
+    if not os.access(sys.prefix, os.R_OK | os.X_OK) or (os.stat(REPO).st_mode & 0o005) != 0o005:
+        return "the project's environment is not readable by other users"
+    return None
+
+
+def user_env(home: str | Path) -> dict[str, str]:
+    """A clean environment running the system Python on this project's packages."""
+    site = sysconfig.get_paths()["purelib"]
+    return {
+        "HOME": str(home),
+        "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}:{site}",
+        "LD_LIBRARY_PATH": str(Path(sys.prefix) / "lib"),  # MPICH's libmpi for mpi4py
+        "AXON_NB_WARM_ENGINES": os.environ.get("AXON_NB_WARM_ENGINES", "1"),
+        "LANG": "C.UTF-8",
+    }
+
+
+def as_user(user: str, argv: list[str]) -> list[str]:
+    """``argv`` run as ``user`` (``runuser -m`` keeps the environment it is given, HOME
+    included)."""
+    return [shutil.which("runuser") or "runuser", "-m", "-u", user, "--", *argv]

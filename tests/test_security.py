@@ -1,0 +1,241 @@
+"""No one else gets in: a cluster owned by an unprivileged user (home 0755), probed by another
+uid (``nobody``) on the same machine, runs nothing of theirs and shows them nothing.
+
+The owner is Debian's ``daemon`` account, so every file and port of the cluster is found by its
+uid, not by a list of ours; both users run the system's Python on this project's packages
+(``tests/other_users.py``). The probe is ``tests/foreign_probe.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from other_users import OWNER, STRANGER, SYSTEM_PYTHON, as_user, missing, user_env
+from owned_cluster import PREFIX
+
+import axon_nb
+from axon_nb.cluster.dask_tls import CertificateError
+from axon_nb.cluster.ports import PORTS, role_of
+
+HERE = Path(__file__).resolve().parent
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+needs_users = pytest.mark.skipif(missing() is not None, reason=f"other users: {missing()}")
+
+
+class Owned:
+    """The owner's cluster process (``tests/owned_cluster.py``) and what it said."""
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.uid = pwd.getpwnam(OWNER).pw_uid
+        self.proc = subprocess.Popen(
+            as_user(OWNER, [SYSTEM_PYTHON, str(HERE / "owned_cluster.py")]),
+            env=user_env(home),
+            cwd=home,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self.ask(None, timeout=180)
+
+    def ask(self, command: str | None, timeout: float = 60) -> dict[str, Any]:
+        """Send ``command`` (if any) and read the one JSON line it answers."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        stdout = self.proc.stdout
+        answer: list[str] = []
+
+        def read() -> None:
+            for line in stdout:
+                if line.startswith(PREFIX):
+                    answer.append(line.removeprefix(PREFIX))
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        assert answer, f"the owner's cluster did not answer {command!r}"
+        return dict(json.loads(answer[0]))
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process of the owner (the cluster's: the account runs nothing else)."""
+        return [p for p in psutil.process_iter(["uids"]) if p.info["uids"].real == self.uid]
+
+    def close(self) -> None:
+        try:
+            self.ask("stop", timeout=60)
+        finally:
+            self.proc.kill()
+            self.proc.wait(10)
+            for p in self.processes():
+                p.kill()
+
+
+@pytest.fixture(scope="module")
+def owned() -> Iterator[Owned]:
+    if missing() is not None:
+        pytest.skip(f"other users: {missing()}")
+    home = Path(tempfile.mkdtemp(prefix="axon-owner-home-"))
+    os.chmod(home, 0o755)
+    shutil.chown(home, OWNER, OWNER)
+    cluster = Owned(home)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _listening(processes: list[psutil.Process]) -> dict[tuple[str, int], str]:
+    """(address, port) -> the command of the process listening there."""
+    found = {}
+    for proc in processes:
+        try:
+            command = " ".join(proc.cmdline())
+            conns = proc.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        for c in conns:
+            if c.status == psutil.CONN_LISTEN:
+                found[(c.laddr.ip, c.laddr.port)] = command
+    return found
+
+
+def _probe(ports: list[tuple[str, int]], canary: Path, netns: str | None = None) -> dict:
+    """What the stranger got from each port (``tests/foreign_probe.py``)."""
+    request = json.dumps({"ports": ports, "canary": str(canary), "seconds": 1.5})
+    argv = as_user(STRANGER, [SYSTEM_PYTHON, str(HERE / "foreign_probe.py"), request])
+    if netns is not None:
+        argv = ["ip", "netns", "exec", netns, *argv]
+    done = subprocess.run(
+        argv, env=user_env("/nonexistent"), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def assert_nothing_got(report: dict, marker: str) -> None:
+    """No port ran the stranger's code or showed them anything."""
+    assert report.pop("canary_exists") is False, "a stranger's code ran"
+    assert marker.encode().hex() not in json.dumps(report)
+    for where, entry in report.items():
+        assert entry["zmq"]["bytes"] == 0, (where, entry["zmq"])
+        for scheme, outcome in entry["dask"].items():
+            assert outcome.startswith("refused"), (where, scheme, outcome)
+        ok = {route: s for route, s in entry["http"].items() if s.startswith("2")}
+        assert ok == {}, (where, ok)
+
+
+@needs_users
+def test_a_stranger_runs_nothing_and_reads_nothing_on_any_port(owned: Owned) -> None:
+    assert owned.ask("busy 30")["busy"] == 30  # the ranks print and publish the marker
+    listening = _listening(owned.processes())
+    dask_port = int(owned.info["dask"].rsplit(":", 1)[1])
+    assert ("127.0.0.1", dask_port) in listening  # the probe reaches the scheduler itself
+    roles = {address: role_of(command) for address, command in listening.items()}
+    assert None not in roles.values(), {a: listening[a] for a, r in roles.items() if r is None}
+    inventory = {(port.process, port.speaks) for port in PORTS}
+    assert {r for r in roles.values()} <= {p for p, _ in inventory}
+    assert {address for address, _ in listening} <= {"127.0.0.1"}  # one host: loopback only
+    canary = owned.home / "ran"
+    report = _probe(sorted(listening), canary)
+    assert not canary.exists()
+    assert_nothing_got(report, owned.info["marker"])
+    assert owned.ask("check", timeout=120)["ok"]  # the ranks and dask still work
+
+
+@needs_users
+def test_no_file_of_the_cluster_opens_for_a_stranger(owned: Owned) -> None:
+    roots = [tempfile.gettempdir(), "/dev/shm"]  # (the owner's home is in the first)
+    assert str(owned.home).startswith(tempfile.gettempdir())
+    made = [
+        os.path.join(top, name)
+        for root in roots
+        for top, dirs, files in os.walk(root)
+        for name in files
+        if os.lstat(os.path.join(top, name)).st_uid == owned.uid
+    ]
+    # the cluster wrote its certificates, logs, connection files and dask's scratch by now
+    assert any(path.endswith("client-key.pem") for path in made), made
+    assert any(path.endswith(".log") for path in made), made
+    script = (
+        "import json, sys\n"
+        "opened = []\n"
+        "for path in json.load(sys.stdin):\n"
+        "    try:\n"
+        "        open(path, 'rb').close()\n"
+        "        opened.append(path)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print(json.dumps(opened))\n"
+    )
+    done = subprocess.run(
+        as_user(STRANGER, [SYSTEM_PYTHON, "-c", script]),
+        input=json.dumps(made),
+        env=user_env("/nonexistent"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    opened = json.loads(done.stdout)
+    assert opened == [], f"a stranger could open {opened}"
+    # nothing of dask's shared scratch place
+    assert not any("dask-scratch-space" in p and not _under_private(p) for p in made), made
+
+
+def _under_private(path: str) -> bool:
+    """Whether some directory above ``path`` is owner-only."""
+    parent = Path(path).parent
+    while parent != parent.parent:
+        if os.stat(parent).st_mode & 0o077 == 0:
+            return True
+        parent = parent.parent
+    return False
+
+
+def test_a_missing_certificate_fails_dask_naming_it_and_leaves_no_dask(
+    cluster: axon_nb.Cluster,
+) -> None:
+    client = cluster.dask()
+    scheduler_port = int(client.scheduler.address.rsplit(":", 1)[1])
+    tls = Path(cluster._watch.path) / "tls"
+    assert sorted(os.listdir(tls)) == [
+        "ca.pem", "client-key.pem", "client.pem", "scheduler-key.pem", "scheduler.pem",
+        "worker-key.pem", "worker.pem",
+    ]  # fmt: skip
+    assert {oct(os.stat(tls / f).st_mode & 0o777) for f in os.listdir(tls)} == {"0o600"}
+    client.close()  # the next call makes a new client, reading the files again
+    os.remove(tls / "worker-key.pem")
+    with pytest.raises(CertificateError, match=r"worker-key\.pem is missing .* restart"):
+        cluster.dask()
+    assert cluster.run(_has_dask_worker, stream=False) == [False, False]
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", scheduler_port), timeout=2).close()
+    # a file that cannot be read (as root, modes do not stop a read: a directory instead)
+    os.mkdir(tls / "worker-key.pem")
+    with pytest.raises(CertificateError, match=r"worker-key\.pem is missing or unreadable"):
+        cluster.dask()
+    cluster.restart()  # new certificates, as the error says
+    assert cluster.dask().submit(sum, [1, 2]).result(timeout=30) == 3
+
+
+def _has_dask_worker() -> bool:
+    from IPython import get_ipython
+
+    return "dask_worker" in get_ipython().user_ns
