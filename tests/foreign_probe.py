@@ -23,6 +23,7 @@ refusals are what the tests hope to see.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -110,33 +111,38 @@ def zmq_probe(host: str, port: int, canary: str, seconds: float) -> dict[str, ob
     return got
 
 
-def dask_probe(host: str, port: int, canary: str) -> dict[str, str]:
-    """What a ``distributed.Client`` of a stranger got, over plain TCP and over TLS."""
+def dask_probe(host: str, port: int, canary: str, scheme: str) -> str:
+    """What a ``distributed.Client`` of a stranger got over ``scheme`` (``tcp``, or ``tls``
+    with certificates of its own)."""
     import distributed
 
     def run_code() -> None:
         with open(canary, "w") as f:
             f.write("ran")
 
-    results = {}
-    for scheme, security in (("tcp", None), ("tls", "own")):
-        try:
-            sec = distributed.Security.temporary() if security else None
-            client = distributed.Client(
-                f"{scheme}://{host}:{port}", timeout=2, security=sec, set_as_default=False
-            )
-        except BaseException as e:
-            results[scheme] = f"refused: {type(e).__name__}: {str(e)[:160]}"
-            continue
-        try:
-            client.run(run_code)
-            client.run_on_scheduler(run_code)
-            results[scheme] = "CONNECTED and ran code"
-        except BaseException as e:
-            results[scheme] = f"CONNECTED: {type(e).__name__}: {str(e)[:160]}"
-        finally:
-            client.close(timeout=2)
-    return results
+    try:
+        security = _own_security() if scheme == "tls" else None
+        client = distributed.Client(
+            f"{scheme}://{host}:{port}", timeout=2, security=security, set_as_default=False
+        )
+    except BaseException as e:
+        return f"refused: {type(e).__name__}: {str(e)[:160]}"
+    try:
+        client.run(run_code)
+        client.run_on_scheduler(run_code)
+        return "CONNECTED and ran code"
+    except BaseException as e:
+        return f"CONNECTED: {type(e).__name__}: {str(e)[:160]}"
+    finally:
+        client.close(timeout=2)
+
+
+@functools.cache
+def _own_security() -> Any:
+    """Certificates of the stranger's own (made once, before the probes fork)."""
+    import distributed
+
+    return distributed.Security.temporary()
 
 
 def http_probe(host: str, port: int) -> dict[str, str]:
@@ -197,7 +203,10 @@ def probe(host: str, port: int, canary: str, seconds: float) -> dict[str, object
     return {
         "greeting": bounded(greeting, host, port, silent=quiet),
         "zmq": bounded(zmq_probe, host, port, canary, seconds, silent={"bytes": 0}),
-        "dask": bounded(dask_probe, host, port, canary, silent={"any": f"refused: {quiet}"}),
+        "dask": {
+            scheme: bounded(dask_probe, host, port, canary, scheme, silent=f"refused: {quiet}")
+            for scheme in ("tcp", "tls")
+        },
         "http": bounded(http_probe, host, port, silent={"/": quiet}),
     }
 
@@ -206,6 +215,12 @@ def main() -> None:
     request = json.loads(sys.argv[1])
     canary, seconds = request["canary"], float(request.get("seconds", 2.0))
     ports = [(str(host), int(port)) for host, port in request["ports"]]
+    # imported and made once here: each probe is a fork, and on a busy 2-core machine a fresh
+    # import of distributed in every one took longer than a step may (a refusal by timeout)
+    import distributed  # noqa: F401
+    import zmq  # noqa: F401
+
+    _own_security()
     # one process a port, eight at a time (each waits on timeouts, not on the CPU)
     with ProcessPoolExecutor(8, mp_context=multiprocessing.get_context("fork")) as pool:
         futures = {f"{h}:{p}": pool.submit(probe, h, p, canary, seconds) for h, p in ports}

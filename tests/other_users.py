@@ -9,10 +9,13 @@ CPython 3.11, so the venv's compiled packages load).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import subprocess
 import sys
 import sysconfig
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -55,3 +58,34 @@ def as_user(user: str, argv: list[str]) -> list[str]:
     """``argv`` run as ``user`` (``runuser -m`` keeps the environment it is given, HOME
     included)."""
     return [shutil.which("runuser") or "runuser", "-m", "-u", user, "--", *argv]
+
+
+def probe_as_stranger(ports: list[tuple[str, int]], canary: Path, netns: str | None = None) -> dict:
+    """What the stranger got from each port (``tests/foreign_probe.py``)."""
+    request = json.dumps({"ports": ports, "canary": str(canary), "seconds": 1.5})
+    argv = as_user(STRANGER, [SYSTEM_PYTHON, str(REPO / "tests" / "foreign_probe.py"), request])
+    if netns is not None:
+        argv = [shutil.which("ip") or "ip", "netns", "exec", netns, *argv]
+    done = subprocess.run(
+        argv, env=user_env("/nonexistent"), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    if os.environ.get("AXON_NB_PROBE_REPORTS"):  # a folder: keep each report (for the issue)
+        name = f"probe-{netns or 'local'}-{time.time_ns()}.json"
+        Path(os.environ["AXON_NB_PROBE_REPORTS"], name).write_text(json.dumps(report, indent=1))
+    return report
+
+
+def assert_nothing_got(report: dict, marker: str) -> None:
+    """No port ran the stranger's code or showed them anything."""
+    assert report.pop("canary_exists") is False, "a stranger's code ran"
+    text = json.dumps(report)
+    assert marker not in text and marker.encode().hex() not in text, "a stranger read output"
+    for where, entry in report.items():
+        assert all(isinstance(entry[step], dict) for step in ("zmq", "dask", "http")), entry
+        assert entry["zmq"]["bytes"] == 0, (where, entry["zmq"])
+        for scheme, outcome in entry["dask"].items():
+            assert outcome.startswith("refused"), (where, scheme, outcome)
+        ok = {route: s for route, s in entry["http"].items() if s.startswith("2")}
+        assert ok == {}, (where, ok)

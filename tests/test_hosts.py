@@ -1,8 +1,10 @@
 """Clusters that span machines: two hosts in network namespaces, each with its own host name,
-address and a real sshd; MPICH's hydra starts the ranks on them over ssh."""
+address and a real sshd; MPICH's hydra starts the ranks on them over ssh. A third host on the
+same network runs no rank: a stranger's machine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,12 +12,15 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import psutil
 import pytest
 from equivalence import check_equal
 from models import make_data, make_mlp, mse
 from netns_hosts import IFACE, NetnsHosts, missing
+from other_users import assert_nothing_got, probe_as_stranger
+from other_users import missing as users_missing
 
 import axon_nb
 from axon_nb import FSDP
@@ -31,7 +36,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[NetnsHosts]:
-    with NetnsHosts(2) as made:
+    with NetnsHosts(3) as made:  # the third: a stranger's
         os.environ["HYDRA_LAUNCHER_EXEC"] = made.ssh  # how a user names their own ssh
         try:
             yield made
@@ -39,7 +44,7 @@ def hosts() -> Iterator[NetnsHosts]:
             del os.environ["HYDRA_LAUNCHER_EXEC"]
 
 
-def _listening(pids: list[int]) -> list[tuple[str, str, int]]:
+def _listening(pids: list[int], tcp_only: bool = False) -> list[tuple[str, str, int]]:
     """(command, address, port) of every listening TCP and bound UDP socket of ``pids``
     (``net_connections`` reads the socket table of each process's own namespace)."""
     found = []
@@ -51,7 +56,8 @@ def _listening(pids: list[int]) -> list[tuple[str, str, int]]:
         except psutil.Error:
             continue
         for c in conns:
-            if c.status == psutil.CONN_LISTEN or c.type == socket.SOCK_DGRAM:
+            udp = c.type == socket.SOCK_DGRAM and not tcp_only
+            if c.status == psutil.CONN_LISTEN or udp:
                 found.append((command, c.laddr.ip, c.laddr.port))
     return found
 
@@ -59,7 +65,7 @@ def _listening(pids: list[int]) -> list[tuple[str, str, int]]:
 def test_ranks_on_two_hosts_train_listen_on_their_network_and_leave_nothing(
     hosts: NetnsHosts,
 ) -> None:
-    spec = ",".join(f"{address}:2" for address in hosts.addresses)
+    spec = ",".join(f"{address}:2" for address in hosts.addresses[:2])
     cluster = axon_nb.Cluster(n=4, hosts=spec, iface=IFACE, timeout=60, start_timeout=120)
     with cluster:
         assert [(r["host"], r["local_rank"]) for r in cluster.ranks] == [
@@ -80,9 +86,15 @@ def test_ranks_on_two_hosts_train_listen_on_their_network_and_leave_nothing(
         assert groups == [[0, 1], [0, 1], [2, 3], [2, 3]]
 
         kernel_side = psutil.Process().children(recursive=True)
-        remote = [p for name in hosts.names for p in hosts.pids(name) if not _is_sshd(p)]
+        remote = [p for name in hosts.names[:2] for p in hosts.pids(name) if not _is_sshd(p)]
         allowed = {"127.0.0.1", "::1", *hosts.addresses}
-        exposed = [entry for entry in _listening(remote) if entry[1] not in allowed]
+        assert remote
+        exposed = [
+            entry
+            for name in hosts.names[:2]
+            for entry in _netns_listening(name)
+            if entry[0] not in allowed
+        ]
         assert exposed == [], exposed
         here = _listening([p.pid for p in kernel_side])
         controller = {e[1] for e in here if "controller" in e[0]}
@@ -107,7 +119,7 @@ def test_ranks_on_two_hosts_train_listen_on_their_network_and_leave_nothing(
             cluster.run(time.sleep, 60, stream=False)
         assert time.monotonic() - killed[0] < 15
     # each host's proxy ends its ranks once mpiexec's ssh connection to it closes: soon after
-    assert _left_after(hosts, seconds=20) == [[], []]  # nothing left anywhere
+    assert _left_after(hosts, seconds=20) == [[], [], []]  # nothing left anywhere
 
 
 def _shard_group() -> list[int]:
@@ -158,14 +170,14 @@ def test_busy_ranks_on_two_hosts_leave_no_process_on_any_host(
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "started"
-        assert all(_ours(hosts, name) for name in hosts.names)  # a rank on each host
+        assert all(_ours(hosts, name) for name in hosts.names[:2])  # a rank on each host
         started = time.monotonic()
         if ending == "sigkill":
             proc.send_signal(signal.SIGKILL)  # no atexit: the reaper stops the cluster
             proc.wait(timeout=30)
         else:
             assert float(proc.stdout.readline().split()[1]) < limit
-        assert _left_after(hosts, seconds=limit + 10) == [[], []]
+        assert _left_after(hosts, seconds=limit + 10) == [[], [], []]
         assert time.monotonic() - started < limit
     finally:
         proc.kill()
@@ -188,3 +200,92 @@ def _command(pid: int) -> str:
         return " ".join(psutil.Process(pid).cmdline()[:4])
     except psutil.Error:
         return ""  # gone meanwhile
+
+
+MARKER = "axon-two-host-marker-5c1e"
+
+
+def _print_marker(seconds: float) -> None:
+    from ipyparallel.datapub import publish_data
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        print(MARKER, flush=True)
+        publish_data({"marker": MARKER})
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(users_missing() is not None, reason=f"other users: {users_missing()}")
+def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tmp_path) -> None:
+    spec = f"{hosts.addresses[0]}:1,{hosts.addresses[1]}:1"
+    cluster = axon_nb.Cluster(n=2, hosts=spec, iface=IFACE, timeout=60, start_timeout=120)
+    with cluster:
+        client = cluster.dask()
+        assert client.scheduler.address.startswith("tls://10.77.0.1:")
+        assert sorted(urlsplit(a).hostname for a in client.scheduler_info()["workers"]) == [
+            *hosts.addresses[:2]
+        ]  # each rank's worker on its host's address, over TLS
+        processes = psutil.Process().children(recursive=True)
+        processes += [
+            psutil.Process(p) for n in hosts.names[:2] for p in hosts.pids(n) if not _is_sshd(p)
+        ]
+        here = _listening([p.pid for p in psutil.Process().children(recursive=True)], True)
+        ports = sorted(
+            {
+                ("10.77.0.1" if address in ("0.0.0.0", "::") else address, port)
+                for _, address, port in here
+                if address not in ("127.0.0.1", "::1")
+            }
+            | {entry for name in hosts.names[:2] for entry in _netns_listening(name)}
+        )
+        assert ("10.77.0.1", int(client.scheduler.address.rsplit(":", 1)[1])) in ports
+        assert any(address == hosts.addresses[0] for address, _ in ports)  # the ranks' ports
+        # the cluster's keys are in no process's command line, on any host
+        secrets = _cluster_secrets(cluster)
+        for proc in processes:
+            with contextlib.suppress(psutil.Error):
+                command = " ".join(proc.cmdline())
+                assert not any(secret in command for secret in secrets), command
+        import threading
+
+        busy = threading.Thread(target=cluster.run, args=(_print_marker, 30), daemon=True)
+        busy.start()
+        canary = tmp_path / "ran"  # (the owner, root, could write it; the stranger cannot)
+        report = probe_as_stranger(ports, canary, netns=hosts.names[2])
+        assert not canary.exists()
+        assert_nothing_got(report, MARKER)
+        busy.join()
+        assert cluster.run(lambda: 1, stream=False) == [1, 1]  # the probing harmed nothing
+        assert client.submit(sum, [1, 2]).result(timeout=30) == 3
+
+
+def _netns_listening(name: str) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in host ``name`` beyond loopback, but
+    its sshd's (``ss`` in its namespace: psutil reads this one's socket table)."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", name, "ss", "-Htln"], capture_output=True, text=True, timeout=10
+    ).stdout
+    found = set()
+    for line in out.splitlines():
+        address, _, port = line.split()[3].rpartition(":")
+        if address not in ("127.0.0.1", "[::1]") and port != "22":
+            found.add((address, int(port)))
+    return found
+
+
+def _cluster_secrets(cluster: axon_nb.Cluster) -> list[str]:
+    """The HMAC key, the controller's CurveZMQ key and the dask keys of ``cluster``."""
+    import json
+    from pathlib import Path
+
+    profile = Path(cluster._ipp.profile_dir) / "security"
+    info = json.loads((profile / f"ipcontroller-{cluster._ipp.cluster_id}-client.json").read_text())
+    assert info["key"] and info["curve_serverkey"]  # HMAC and CurveZMQ both on
+    tls = Path(cluster._watch.path) / "tls"
+    keys = [
+        line
+        for name in ("client-key.pem", "worker-key.pem", "scheduler-key.pem")
+        for line in (tls / name).read_text().splitlines()
+        if "-----" not in line
+    ]
+    return [info["key"], info["curve_serverkey"], *keys]

@@ -22,12 +22,21 @@ from typing import Any
 
 import psutil
 import pytest
-from other_users import OWNER, STRANGER, SYSTEM_PYTHON, as_user, missing, user_env
+from other_users import (
+    OWNER,
+    STRANGER,
+    SYSTEM_PYTHON,
+    as_user,
+    assert_nothing_got,
+    missing,
+    probe_as_stranger,
+    user_env,
+)
 from owned_cluster import PREFIX
 
 import axon_nb
 from axon_nb.cluster.dask_tls import CertificateError
-from axon_nb.cluster.ports import PORTS, role_of
+from axon_nb.cluster.ports import PORTS, describe_ports, role_of
 
 HERE = Path(__file__).resolve().parent
 
@@ -116,31 +125,6 @@ def _listening(processes: list[psutil.Process]) -> dict[tuple[str, int], str]:
     return found
 
 
-def _probe(ports: list[tuple[str, int]], canary: Path, netns: str | None = None) -> dict:
-    """What the stranger got from each port (``tests/foreign_probe.py``)."""
-    request = json.dumps({"ports": ports, "canary": str(canary), "seconds": 1.5})
-    argv = as_user(STRANGER, [SYSTEM_PYTHON, str(HERE / "foreign_probe.py"), request])
-    if netns is not None:
-        argv = ["ip", "netns", "exec", netns, *argv]
-    done = subprocess.run(
-        argv, env=user_env("/nonexistent"), capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-def assert_nothing_got(report: dict, marker: str) -> None:
-    """No port ran the stranger's code or showed them anything."""
-    assert report.pop("canary_exists") is False, "a stranger's code ran"
-    assert marker.encode().hex() not in json.dumps(report)
-    for where, entry in report.items():
-        assert entry["zmq"]["bytes"] == 0, (where, entry["zmq"])
-        for scheme, outcome in entry["dask"].items():
-            assert outcome.startswith("refused"), (where, scheme, outcome)
-        ok = {route: s for route, s in entry["http"].items() if s.startswith("2")}
-        assert ok == {}, (where, ok)
-
-
 @needs_users
 def test_a_stranger_runs_nothing_and_reads_nothing_on_any_port(owned: Owned) -> None:
     assert owned.ask("busy 30")["busy"] == 30  # the ranks print and publish the marker
@@ -153,7 +137,7 @@ def test_a_stranger_runs_nothing_and_reads_nothing_on_any_port(owned: Owned) -> 
     assert {r for r in roles.values()} <= {p for p, _ in inventory}
     assert {address for address, _ in listening} <= {"127.0.0.1"}  # one host: loopback only
     canary = owned.home / "ran"
-    report = _probe(sorted(listening), canary)
+    report = probe_as_stranger(sorted(listening), canary)
     assert not canary.exists()
     assert_nothing_got(report, owned.info["marker"])
     assert owned.ask("check", timeout=120)["ok"]  # the ranks and dask still work
@@ -197,6 +181,26 @@ def test_no_file_of_the_cluster_opens_for_a_stranger(owned: Owned) -> None:
     assert opened == [], f"a stranger could open {opened}"
     # nothing of dask's shared scratch place
     assert not any("dask-scratch-space" in p and not _under_private(p) for p in made), made
+    # no directory of the cluster's others can enter beyond the owner's home (dask's scratch,
+    # torch's /tmp/torchinductor_<user>), whose own are made by the test
+    shared = [
+        top
+        for root in roots
+        for top, _, _ in os.walk(root)
+        if not top.startswith(str(owned.home))
+        and os.lstat(top).st_uid == owned.uid
+        and os.lstat(top).st_mode & 0o077
+        and not _under_private(top)
+    ]
+    assert shared == [], shared
+
+
+def test_the_readme_lists_every_port_and_what_protects_it() -> None:
+    readme = (HERE.parent / "README.md").read_text()
+    section = readme.split("### Security: no one else gets in", 1)[1].split("\n## ", 1)[0]
+    assert describe_ports() in section
+    for heading in ("Threat model", "Not protected", "gloo and NCCL traffic", "private"):
+        assert heading in section
 
 
 def _under_private(path: str) -> bool:
@@ -239,3 +243,58 @@ def _has_dask_worker() -> bool:
     from IPython import get_ipython
 
     return "dask_worker" in get_ipython().user_ns
+
+
+@needs_users
+def test_the_probe_finds_what_unprotected_ports_give(tmp_path: Path) -> None:
+    """The probe can fail: against ports nothing protects it reads the published marker, gets
+    a page, and runs code through a dask scheduler (so the refusals above are the cluster's
+    doing, not the probe's)."""
+    import http.server
+
+    import distributed
+    import zmq
+
+    marker = "open-marker-1b2c"
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def publish() -> None:
+        while not stop.wait(0.05):
+            pub.send(marker.encode())
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(marker.encode())
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    threading.Thread(target=publish, daemon=True).start()
+    canary = tmp_path / "ran"  # (the scheduler runs as root here: it can write there)
+    with distributed.LocalCluster(
+        n_workers=0,
+        processes=False,
+        protocol="tcp",
+        host="127.0.0.1",
+        dashboard_address="127.0.0.1:0",
+    ) as open_dask:
+        dask_port = int(open_dask.scheduler_address.rsplit(":", 1)[1])
+        ports = [("127.0.0.1", pub_port), ("127.0.0.1", web.server_port), ("127.0.0.1", dask_port)]
+        report = probe_as_stranger(ports, canary)
+    stop.set()
+    web.shutdown()
+    context.destroy(linger=0)
+    assert canary.exists(), report  # code ran (as root: the stranger cannot see in there)
+    published = report[f"127.0.0.1:{pub_port}"]["zmq"]
+    assert published["bytes"] > 0 and marker.encode().hex() in published["sub"]
+    assert report[f"127.0.0.1:{web.server_port}"]["http"]["/"].startswith("200")
+    assert report[f"127.0.0.1:{dask_port}"]["dask"]["tcp"] == "CONNECTED and ran code"
+    with pytest.raises(AssertionError):
+        assert_nothing_got(report, marker)

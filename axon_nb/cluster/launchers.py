@@ -16,6 +16,7 @@ import ipyparallel as ipp
 from axon_nb.cluster import warm_engines
 from axon_nb.cluster.dask_tls import ClusterTLS, scheduler_environment
 from axon_nb.cluster.options import ClusterOptions, format_hosts
+from axon_nb.cluster.private_paths import private_cache_environment
 from axon_nb.errors import ClusterStartError
 from axon_nb.spec.bootstrap_spec import address_toward
 from axon_nb.spec.warm_engines import SERVER_ENV
@@ -80,17 +81,8 @@ def cluster_tls(private_dir: Path) -> ClusterTLS:
 
 def engine_environment(log_path: str) -> dict[str, str]:
     """What every engine launcher adds to the ranks' environment: where engines write, and
-    torch's compile cache in the user's own cache directory (by default it is
-    ``/tmp/torchinductor_<user>``, a name any other user can create first)."""
-    return {"AXON_NB_ENGINE_LOG": log_path, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache())}
-
-
-def compile_cache() -> Path:
-    """``$XDG_CACHE_HOME/axon_nb/torchinductor`` (``~/.cache/...``), its parent made 0700."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    parent = Path(cache) / "axon_nb"
-    parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    return parent / "torchinductor"
+    torch's compile cache in the user's own cache directory (``cluster/private_paths.py``)."""
+    return {"AXON_NB_ENGINE_LOG": log_path, **private_cache_environment()}
 
 
 def warm_engine_environment() -> dict[str, str]:

@@ -34,6 +34,7 @@ from typing import TypeVar
 
 import psutil
 
+from axon_nb.cluster.private_paths import private_cache_environment
 from axon_nb.spec.warm_engines import SWITCH_ENV, log_path, socket_path
 
 T = TypeVar("T")
@@ -77,6 +78,7 @@ def server_directory() -> str | None:
                     stdout=log,
                     stderr=log,
                     start_new_session=True,  # the kernel's interrupts are not the engines'
+                    env={**os.environ, **private_cache_environment()},
                 )
         except OSError:
             shutil.rmtree(directory, ignore_errors=True)
