@@ -19,12 +19,7 @@ from axon_nb.cluster.exposure import describe_exposure
 from axon_nb.cluster.hangs import WatchDir
 from axon_nb.cluster.host_fit import check_fits_here
 from axon_nb.cluster.lab_registry import LabRegistry
-from axon_nb.cluster.launchers import (
-    CONTROLLER_ARGS,
-    LAUNCHERS,
-    cluster_tls,
-    configure_controller,
-)
+from axon_nb.cluster.launchers import CONTROLLER_ARGS, LAUNCHERS, configure_controller
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.transport import Transport
@@ -371,18 +366,15 @@ class Cluster(Transport):
         return features.rescue(**_forward(locals()))
 
     def dask(self, *, dashboard: bool = False) -> distributed.Client:
-        """A ``distributed.Client`` whose workers are the ranks (one per rank, in its engine
-        process), its scheduler in the controller; bound like the rest of the cluster, over
-        TLS with the cluster's own certificates. ``dashboard=True`` serves dask's dashboard
-        on loopback. Made on first use and again after a restart; stopped with the cluster;
-        prints where it listens. Example::
+        """A ``distributed.Client`` whose workers are the ranks (one per rank, in its engine),
+        its scheduler in the controller, over TLS with the cluster's own certificates;
+        ``dashboard=True`` serves dask's dashboard on loopback. Made on first use and after a
+        restart, stopped with the cluster; prints where it listens. Example::
 
             client = cluster.dask()
             df = dd.read_parquet("data/*.parquet").persist()   # read by the ranks
         """
-        _ = self.client  # raises when the cluster is not running
-        assert self._watch is not None  # (running)
-        return self._dask.ensure(self, cluster_tls(self._watch.path), dashboard=dashboard)
+        return self._dask.ensure(self, self._watch, dashboard=dashboard)
 
     def hold_dask_rows(self, futures: list[Any]) -> None:
         """Keep the dask futures of the latest run's rows alive (the previous run's go)."""

@@ -21,13 +21,14 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from axon_nb.cluster.dask_tls import ClusterTLS
+from axon_nb.cluster.dask_tls import cluster_tls
 from axon_nb.errors import AxonError
 from axon_nb.rank import entry
 
 if TYPE_CHECKING:
     import distributed
 
+    from axon_nb.cluster.hangs import WatchDir
     from axon_nb.cluster.transport import ClusterLike
 
 WORKER_TTL_S = 30 * 24 * 3600
@@ -53,11 +54,14 @@ class DaskOnRanks:
         a certificate file went missing."""
 
     def ensure(
-        self, cluster: ClusterLike, tls: ClusterTLS, *, dashboard: bool = False
+        self, cluster: ClusterLike, private: WatchDir | None, *, dashboard: bool = False
     ) -> distributed.Client:
         """The client, started now if there is none or the ranks changed since (or the
-        dashboard is asked for and not on). On any failure, no scheduler or worker is left
-        running."""
+        dashboard is asked for and not on), its certificates in the cluster's owner-only
+        directory ``private``. On any failure, no scheduler or worker is left running."""
+        if private is None:
+            raise AxonError("the cluster is not running: start it before cluster.dask()")
+        tls = cluster_tls(private.path)
         wanted = self.dashboard is not None or not dashboard
         if self.client is not None and self._serves(cluster) and wanted:
             return self.client

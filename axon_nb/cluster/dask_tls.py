@@ -97,6 +97,11 @@ class ClusterTLS:
         return security_from_pem(*self.pem(role), role=role)
 
 
+def cluster_tls(private_dir: Path) -> ClusterTLS:
+    """The cluster's dask certificates, in its owner-only directory ``private_dir``."""
+    return ClusterTLS(Path(private_dir) / "tls")
+
+
 def scheduler_environment(tls: ClusterTLS, scratch: Path) -> dict[str, str]:
     """dask's settings, as environment variables, for the scheduler the controller starts:
     TLS required with the cluster's files (read when ``cluster.dask()`` starts it), no HTTP

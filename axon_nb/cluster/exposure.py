@@ -20,19 +20,20 @@ def describe_exposure(
         return "Not running: nothing listens."
     stores = {r.get("store", "") for r in ranks}
     also = (
-        " The dask scheduler and its dashboard (cluster.dask()) bind the controller's "
-        "address, each rank's worker its own."
+        " The dask scheduler (cluster.dask()) binds the controller's address and each rank's "
+        "worker its own, TLS with the cluster's certificates; their HTTP servers loopback."
         if dask is not None
         else ""
     )
+    guard = " ipyparallel's sockets use CurveZMQ and HMAC; every port: axon_nb.cluster.ports."
     if not options.multi_host:
         return (
             "Listening on loopback only: the controller, MPI and gloo bind 127.0.0.1, and the "
-            "ranks meet through a store file in an owner-only directory." + also
+            "ranks meet through a store file in an owner-only directory." + also + guard
         )
     return (
         f"Listening on the ranks' network: the controller on {controller or '?'}, the "
         f"rendezvous store on {', '.join(sorted(stores))}, gloo and MPI on each rank's "
         "address; also hydra's mpiexec on every interface of this host (MPICH cannot narrow "
-        "it)." + also
+        "it)." + also + guard
     )

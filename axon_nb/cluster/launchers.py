@@ -14,7 +14,7 @@ from pathlib import Path
 import ipyparallel as ipp
 
 from axon_nb.cluster import warm_engines
-from axon_nb.cluster.dask_tls import ClusterTLS, scheduler_environment
+from axon_nb.cluster.dask_tls import cluster_tls, scheduler_environment
 from axon_nb.cluster.options import ClusterOptions, format_hosts
 from axon_nb.cluster.private_paths import private_cache_environment
 from axon_nb.errors import ClusterStartError
@@ -72,11 +72,6 @@ def configure_controller(cluster: ipp.Cluster, private_dir: Path) -> None:
     launcher = cluster.config.LocalControllerLauncher
     launcher.controller_cmd = list(CONTROLLER_CMD)
     launcher.environment = scheduler_environment(cluster_tls(private_dir), private_dir)
-
-
-def cluster_tls(private_dir: Path) -> ClusterTLS:
-    """The cluster's dask certificates, in its owner-only directory."""
-    return ClusterTLS(Path(private_dir) / "tls")
 
 
 def engine_environment(log_path: str) -> dict[str, str]:
