@@ -319,7 +319,7 @@ def _parse_ranks(text: str | None) -> list[int] | None:
 def _show_results(parts: dict[int, Any]) -> None:
     """Show each rank's displays and cell result; a result identical on all ranks shows once."""
     for part in parts.values():
-        for output in _single(part.outputs) or []:
+        for output in _rank_outputs(part.outputs):
             publish_display_data(output["data"], output.get("metadata", {}))
     results = {rank: _single(part.execute_result) for rank, part in parts.items()}
     texts = {rank: r["data"].get("text/plain") for rank, r in results.items() if r}
@@ -330,6 +330,16 @@ def _show_results(parts: dict[int, Any]) -> None:
         return
     for rank, text in texts.items():
         print(f"Out[rank {rank}]: {text}")
+
+
+def _rank_outputs(outputs: Any) -> list[dict[str, Any]]:
+    """One rank's display outputs: ipyparallel may wrap a one-rank result's list of them in
+    another list (unwrapped only then: a rank that showed exactly one display has a list of
+    one display dict); what is not a display with data (an update of a display by id) is left
+    out."""
+    if isinstance(outputs, list) and len(outputs) == 1 and isinstance(outputs[0], list):
+        outputs = outputs[0]
+    return [o for o in outputs or [] if isinstance(o, dict) and isinstance(o.get("data"), dict)]
 
 
 def _single(value: Any) -> Any:

@@ -82,6 +82,15 @@ def test_cell_results_identical_on_all_ranks_show_once(shell, capsys) -> None:
     assert "Out[rank 0]: 100" in out and "Out[rank 1]: 101" in out
 
 
+def test_one_display_on_each_rank_shows_each(shell, capsys) -> None:
+    # each rank's outputs are a list of one display: it was taken for the display itself
+    # (TypeError: string indices must be integers, as Trainer's progress callback ended)
+    cell = "from IPython.display import display\ndisplay(f'shown by rank {rank}')"
+    shell.run_cell_magic("axon", "", cell)
+    out = capsys.readouterr().out
+    assert "shown by rank 0" in out and "shown by rank 1" in out
+
+
 def test_exception_on_one_rank_raises_with_its_traceback(shell) -> None:
     cell = "if rank == 1:\n    raise KeyError('missing on one')\n"
     with pytest.raises(axon_nb.RankError) as info:
