@@ -2,8 +2,8 @@
 cluster with dask, says where it is, keeps its ranks printing and publishing a marker while a
 stranger probes it, and stops on request.
 
-Lines on stdin: ``busy SECONDS`` (ranks print and publish the marker that long, in the
-background), ``check`` (answers ``ok`` once the ranks still run code), ``stop``. It answers
+Lines on stdin: ``busy SECONDS`` (ranks print and publish the marker that long, from a
+thread), ``check`` (answers ``ok`` once the ranks still run code), ``stop``. It answers
 each with one line on stdout: ``ANSWER`` and JSON.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 
 import axon_nb
 
@@ -20,19 +19,22 @@ PREFIX = "ANSWER "
 """Starts each answer line (what the cluster prints itself goes to stdout too)."""
 
 
-def _print_marker(seconds: float) -> int:
+def _print_marker(seconds: float) -> None:
+    """Print and publish the marker for ``seconds`` from a thread of the rank's, so that its
+    engine's event loop (which the rank's dask worker shares) stays free to answer."""
+    import threading
     import time
 
     from ipyparallel.datapub import publish_data
 
-    deadline = time.monotonic() + seconds
-    n = 0
-    while time.monotonic() < deadline:
-        print(MARKER, flush=True)
-        publish_data({"marker": MARKER})
-        n += 1
-        time.sleep(0.1)
-    return n
+    def loop() -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            print(MARKER, flush=True)
+            publish_data({"marker": MARKER})
+            time.sleep(0.1)
+
+    threading.Thread(target=loop, daemon=True).start()
 
 
 def _answer(data: dict) -> None:
@@ -50,19 +52,13 @@ def main() -> None:
         "marker": MARKER,
     }
     _answer(answer)
-    busy: threading.Thread | None = None
     for line in sys.stdin:
         command, *args = line.split()
         if command == "busy":
             seconds = float(args[0])
-            busy = threading.Thread(
-                target=cluster.run, args=(_print_marker, seconds), kwargs={"stream": False}
-            )
-            busy.start()
+            cluster.run(_print_marker, seconds, stream=False)
             _answer({"busy": seconds})
         elif command == "check":
-            if busy is not None:
-                busy.join()
             ok = cluster.run(lambda: 1, stream=False) == [1, 1]
             ok = ok and client.submit(sum, [1, 2]).result(timeout=30) == 3
             _answer({"ok": ok})

@@ -206,13 +206,20 @@ MARKER = "axon-two-host-marker-5c1e"
 
 
 def _print_marker(seconds: float) -> None:
+    """Print and publish the marker from a thread (the engine, and the dask worker on its
+    event loop, stay free to answer)."""
+    import threading
+
     from ipyparallel.datapub import publish_data
 
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        print(MARKER, flush=True)
-        publish_data({"marker": MARKER})
-        time.sleep(0.1)
+    def loop() -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            print(MARKER, flush=True)
+            publish_data({"marker": MARKER})
+            time.sleep(0.1)
+
+    threading.Thread(target=loop, daemon=True).start()
 
 
 @pytest.mark.skipif(users_missing() is not None, reason=f"other users: {users_missing()}")
@@ -246,15 +253,14 @@ def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tm
             with contextlib.suppress(psutil.Error):
                 command = " ".join(proc.cmdline())
                 assert not any(secret in command for secret in secrets), command
-        import threading
-
-        busy = threading.Thread(target=cluster.run, args=(_print_marker, 30), daemon=True)
-        busy.start()
+        cluster.run(_print_marker, 40, stream=False)
         canary = tmp_path / "ran"  # (the owner, root, could write it; the stranger cannot)
         report = probe_as_stranger(ports, canary, netns=hosts.names[2])
         assert not canary.exists()
+        # the scheduler and the workers on both hosts refused a stranger's certificate
+        refused = [w for w, e in report.items() if "certificate" in str(e)]
+        assert {w.split(":")[0] for w in refused} == {"10.77.0.1", *hosts.addresses[:2]}
         assert_nothing_got(report, MARKER)
-        busy.join()
         assert cluster.run(lambda: 1, stream=False) == [1, 1]  # the probing harmed nothing
         assert client.submit(sum, [1, 2]).result(timeout=30) == 3
 

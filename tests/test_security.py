@@ -139,6 +139,11 @@ def test_a_stranger_runs_nothing_and_reads_nothing_on_any_port(owned: Owned) -> 
     canary = owned.home / "ran"
     report = probe_as_stranger(sorted(listening), canary)
     assert not canary.exists()
+    # the scheduler and both ranks' workers answered, and refused a stranger's certificate;
+    # their HTTP servers answered 404
+    ports = [e for w, e in report.items() if w != "canary_exists"]
+    assert sum(1 for e in ports if "certificate" in str(e["dask"]["tls"])) >= 3, report
+    assert sum(1 for e in ports if e["http"].get("/") == "404") >= 3, report
     assert_nothing_got(report, owned.info["marker"])
     assert owned.ask("check", timeout=120)["ok"]  # the ranks and dask still work
 
