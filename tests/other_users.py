@@ -89,3 +89,21 @@ def assert_nothing_got(report: dict, marker: str) -> None:
             assert outcome.startswith("refused"), (where, scheme, outcome)
         ok = {route: s for route, s in entry["http"].items() if s.startswith("2")}
         assert ok == {}, (where, ok)
+
+
+def print_marker(marker: str, seconds: float) -> None:
+    """On a rank: print and publish ``marker`` ten times a second for ``seconds``, from a
+    thread, so that the engine's event loop (which the rank's dask worker shares) stays free
+    to answer a probe."""
+    import threading
+
+    from ipyparallel.datapub import publish_data
+
+    def loop() -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            print(marker, flush=True)
+            publish_data({"marker": marker})
+            time.sleep(0.1)
+
+    threading.Thread(target=loop, daemon=True).start()

@@ -12,29 +12,13 @@ from __future__ import annotations
 import json
 import sys
 
+from other_users import print_marker
+
 import axon_nb
 
 MARKER = "axon-secret-marker-7f3a"
 PREFIX = "ANSWER "
 """Starts each answer line (what the cluster prints itself goes to stdout too)."""
-
-
-def _print_marker(seconds: float) -> None:
-    """Print and publish the marker for ``seconds`` from a thread of the rank's, so that its
-    engine's event loop (which the rank's dask worker shares) stays free to answer."""
-    import threading
-    import time
-
-    from ipyparallel.datapub import publish_data
-
-    def loop() -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            print(MARKER, flush=True)
-            publish_data({"marker": MARKER})
-            time.sleep(0.1)
-
-    threading.Thread(target=loop, daemon=True).start()
 
 
 def _answer(data: dict) -> None:
@@ -56,7 +40,7 @@ def main() -> None:
         command, *args = line.split()
         if command == "busy":
             seconds = float(args[0])
-            cluster.run(_print_marker, seconds, stream=False)
+            cluster.run(print_marker, MARKER, seconds, stream=False)
             _answer({"busy": seconds})
         elif command == "check":
             ok = cluster.run(lambda: 1, stream=False) == [1, 1]

@@ -19,7 +19,7 @@ import pytest
 from equivalence import check_equal
 from models import make_data, make_mlp, mse
 from netns_hosts import IFACE, NetnsHosts, missing
-from other_users import assert_nothing_got, probe_as_stranger
+from other_users import assert_nothing_got, print_marker, probe_as_stranger
 from other_users import missing as users_missing
 
 import axon_nb
@@ -205,23 +205,6 @@ def _command(pid: int) -> str:
 MARKER = "axon-two-host-marker-5c1e"
 
 
-def _print_marker(seconds: float) -> None:
-    """Print and publish the marker from a thread (the engine, and the dask worker on its
-    event loop, stay free to answer)."""
-    import threading
-
-    from ipyparallel.datapub import publish_data
-
-    def loop() -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            print(MARKER, flush=True)
-            publish_data({"marker": MARKER})
-            time.sleep(0.1)
-
-    threading.Thread(target=loop, daemon=True).start()
-
-
 @pytest.mark.skipif(users_missing() is not None, reason=f"other users: {users_missing()}")
 def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tmp_path) -> None:
     spec = f"{hosts.addresses[0]}:1,{hosts.addresses[1]}:1"
@@ -253,7 +236,7 @@ def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tm
             with contextlib.suppress(psutil.Error):
                 command = " ".join(proc.cmdline())
                 assert not any(secret in command for secret in secrets), command
-        cluster.run(_print_marker, 40, stream=False)
+        cluster.run(print_marker, MARKER, 40, stream=False)
         canary = tmp_path / "ran"  # (the owner, root, could write it; the stranger cannot)
         report = probe_as_stranger(ports, canary, netns=hosts.names[2])
         assert not canary.exists()
