@@ -8,7 +8,7 @@ refused during the handshake.
 
 At a cluster's first ``cluster.dask()`` the kernel makes an authority and one certificate per
 role (scheduler, worker, client) with ``cryptography``, into the cluster's owner-only
-directory (``tls/``, files 0600): making RSA keys costs about 0.1 s, so no cluster start
+directory (``tls/``, files 0600): its EC P-256 keys take milliseconds, and no cluster start
 pays for it. The controller's dask scheduler reads its files through the dask settings of its
 environment (:func:`scheduler_environment`, fixed when the controller starts); each rank's
 worker gets its certificate and key as text in the request that starts it (ipyparallel's
