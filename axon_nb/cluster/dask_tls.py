@@ -17,7 +17,7 @@ The authority's own key is never written: nothing can be signed after the first 
 
 Example::
 
-    tls = ClusterTLS(Path(private_dir) / "tls")
+    tls = cluster_tls(private_dir)
     tls.ensure()                 # makes the files once; raises naming a file gone missing
     security = tls.security("client")
 """
