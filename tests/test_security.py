@@ -8,6 +8,7 @@ uid, not by a list of ours; both users run the system's Python on this project's
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -91,8 +92,11 @@ class Owned:
         finally:
             self.proc.kill()
             self.proc.wait(10)
-            for p in self.processes():
-                p.kill()
+            # What the stop leaves is still on its way out: wait, then kill the rest.
+            _, alive = psutil.wait_procs(self.processes(), timeout=10)
+            for p in alive:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.kill()
 
 
 @pytest.fixture(scope="module")
