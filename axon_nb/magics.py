@@ -10,11 +10,10 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.display import publish_display_data
 
 from axon_nb.cluster import Cluster, warm_engines
 from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus, parse_hosts, read_hostfile
-from axon_nb.cluster.waiting import RankStreams
+from axon_nb.cluster.rank_displays import LiveOutput
 from axon_nb.errors import NoClusterError
 from axon_nb.spec.placement import BACKENDS
 
@@ -109,7 +108,7 @@ class AxonMagics(Magics):
         ranks = _parse_ranks(args.ranks)
         parts = self._require_cluster().execute(cell, ranks=ranks, stream=not args.no_stream)
         if args.no_stream:
-            RankStreams(parts, sys.stdout, sys.stderr).flush()
+            LiveOutput(parts, sys.stdout, sys.stderr, live=False).finish()
         _show_results(parts)
 
     @line_magic
@@ -317,10 +316,8 @@ def _parse_ranks(text: str | None) -> list[int] | None:
 
 
 def _show_results(parts: dict[int, Any]) -> None:
-    """Show each rank's displays and cell result; a result identical on all ranks shows once."""
-    for part in parts.values():
-        for output in _rank_outputs(part.outputs):
-            publish_display_data(output["data"], output.get("metadata", {}))
+    """Show each rank's cell result (its displays showed as they came, see
+    ``cluster/rank_displays.py``); a result identical on all ranks shows once."""
     results = {rank: _single(part.execute_result) for rank, part in parts.items()}
     texts = {rank: r["data"].get("text/plain") for rank, r in results.items() if r}
     if not texts:
@@ -330,16 +327,6 @@ def _show_results(parts: dict[int, Any]) -> None:
         return
     for rank, text in texts.items():
         print(f"Out[rank {rank}]: {text}")
-
-
-def _rank_outputs(outputs: Any) -> list[dict[str, Any]]:
-    """One rank's display outputs: ipyparallel may wrap a one-rank result's list of them in
-    another list (unwrapped only then: a rank that showed exactly one display has a list of
-    one display dict); what is not a display with data (an update of a display by id) is left
-    out."""
-    if isinstance(outputs, list) and len(outputs) == 1 and isinstance(outputs[0], list):
-        outputs = outputs[0]
-    return [o for o in outputs or [] if isinstance(o, dict) and isinstance(o.get("data"), dict)]
 
 
 def _single(value: Any) -> Any:

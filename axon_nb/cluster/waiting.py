@@ -17,6 +17,7 @@ from ipyparallel import error as ipp_error
 
 from axon_nb.cluster.control import held_interrupts
 from axon_nb.cluster.hangs import HangWatch
+from axon_nb.cluster.rank_displays import LiveOutput
 from axon_nb.errors import AxonError, RankDiedError, RankError
 
 FLUSH_S = 0.05
@@ -51,39 +52,6 @@ class RankControl(Protocol):
 
     def check_in_step(self) -> None:
         """Once no rank is busy: re-form the world if ranks issued different collectives."""
-
-
-class RankStreams:
-    """Copies each rank's stdout/stderr to the notebook as it arrives, one label per line."""
-
-    def __init__(self, parts: dict[int, ipp.AsyncResult], out: TextIO, err: TextIO) -> None:
-        self._parts = parts
-        self._files = {"stdout": out, "stderr": err}
-        self._seen: dict[tuple[int, str], int] = {}
-        self._at_line_start: dict[tuple[int, str], bool] = {}
-
-    def flush(self) -> None:
-        for rank, part in self._parts.items():
-            for name, file in self._files.items():
-                text = getattr(part, name) or ""
-                if isinstance(text, list):  # a single-target result still wraps in a list
-                    text = "".join(text)
-                key = (rank, name)
-                start = self._seen.get(key, 0)
-                if len(text) <= start:
-                    continue
-                self._seen[key] = len(text)
-                file.write(self._label(key, text[start:], f"[rank {rank}] "))
-                file.flush()
-
-    def _label(self, key: tuple[int, str], chunk: str, prefix: str) -> str:
-        at_start = self._at_line_start.get(key, True)
-        pieces = []
-        for line in chunk.splitlines(keepends=True):
-            pieces.append(prefix + line if at_start else line)
-            at_start = line.endswith("\n")
-        self._at_line_start[key] = at_start
-        return "".join(pieces)
 
 
 def wait_for_ranks(
@@ -122,48 +90,51 @@ def wait_for_ranks(
     order: list[int] = []
     for rank, part in parts.items():
         part.add_done_callback(lambda _, rank=rank: order.append(rank))
-    streams = RankStreams(parts, out or sys.stdout, err or sys.stderr) if stream else None
-    deadline = None if timeout is None else time.monotonic() + timeout
-    running = ""
+    streams = LiveOutput(parts, out or sys.stdout, err or sys.stderr) if stream else None
     try:
-        if interrupted:
-            raise KeyboardInterrupt
-        while not _all_ready(parts):
-            _flush(streams)
-            if tick is not None:
-                tick()
-            if hang is not None:
-                hang.check(_progress(parts))
-            failed = _failed(parts)
-            if failed:
-                deaths = [r for r in failed if _is_engine_death(parts[r].exception())]
-                if deaths and not settle_deaths:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        running = ""
+        try:
+            if interrupted:
+                raise KeyboardInterrupt
+            while not _all_ready(parts):
+                _flush(streams)
+                if tick is not None:
+                    tick()
+                if hang is not None:
+                    hang.check(_progress(parts))
+                failed = _failed(parts)
+                if failed:
+                    deaths = [r for r in failed if _is_engine_death(parts[r].exception())]
+                    if deaths and not settle_deaths:
+                        break
+                    running = _settle_after_failure(parts, control, streams)
                     break
-                running = _settle_after_failure(parts, control, streams)
-                break
-            wait_s = FLUSH_S
-            if deadline is not None:
-                left = deadline - time.monotonic()
-                if left < 0:
-                    running = _running(parts)
-                    _interrupt(parts, control, running)
-                    raise AxonError(
-                        f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
-                        "they were interrupted"
-                    )
-                wait_s = min(wait_s, left)
-            _wait_all(parts, wait_s)
-        wait_for_output(parts, OUTPUT_GRACE_S)
-    except KeyboardInterrupt:
-        if soft_stop_s is None or not _soft_stop(parts, control, streams, soft_stop_s):
-            _forward_interrupt(parts, control, streams)
-            raise
-    _flush(streams)
-    _raise_failures(parts, order, running)
-    return parts
+                wait_s = FLUSH_S
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left < 0:
+                        running = _running(parts)
+                        _interrupt(parts, control, running)
+                        raise AxonError(
+                            f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
+                            "they were interrupted"
+                        )
+                    wait_s = min(wait_s, left)
+                _wait_all(parts, wait_s)
+            wait_for_output(parts, OUTPUT_GRACE_S)
+        except KeyboardInterrupt:
+            if soft_stop_s is None or not _soft_stop(parts, control, streams, soft_stop_s):
+                _forward_interrupt(parts, control, streams)
+                raise
+        _raise_failures(parts, order, running)
+        return parts
+    finally:  # what the ranks printed last shows, however the wait ends
+        if streams is not None:
+            streams.finish()
 
 
-def _flush(streams: RankStreams | None) -> None:
+def _flush(streams: LiveOutput | None) -> None:
     if streams is not None:
         streams.flush()
 
@@ -222,7 +193,7 @@ def _failed(parts: dict[int, ipp.AsyncResult]) -> list[int]:
 def _settle_after_failure(
     parts: dict[int, ipp.AsyncResult],
     control: RankControl,
-    streams: RankStreams | None,
+    streams: LiveOutput | None,
 ) -> str:
     """Let the others finish or fail, else interrupt them; returns where they were (or "")."""
     # Others usually fail right after (a peer left a collective); collect those errors too.
@@ -246,7 +217,7 @@ def _interrupt(parts: dict[int, ipp.AsyncResult], control: RankControl, ranks: l
 
 
 def _unstick(
-    parts: dict[int, ipp.AsyncResult], control: RankControl, streams: RankStreams | None
+    parts: dict[int, ipp.AsyncResult], control: RankControl, streams: LiveOutput | None
 ) -> bool:
     """After SIGINT: ranks still busy are inside a collective their peers left; release them."""
     if _wait_until_ready(parts, STUCK_AFTER_S, streams):
@@ -288,7 +259,7 @@ def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankCont
 def _soft_stop(
     parts: dict[int, ipp.AsyncResult],
     control: RankControl,
-    streams: RankStreams | None,
+    streams: LiveOutput | None,
     seconds: float,
 ) -> bool:
     """Ask running ranks to stop at their next safe point; True once all have finished."""
@@ -308,7 +279,7 @@ def _soft_stop(
 def _forward_interrupt(
     parts: dict[int, ipp.AsyncResult],
     control: RankControl,
-    streams: RankStreams | None,
+    streams: LiveOutput | None,
 ) -> None:
     running = _running(parts)
     if not running:
@@ -333,7 +304,7 @@ def _forward_interrupt(
 
 
 def _wait_until_ready(
-    parts: dict[int, ipp.AsyncResult], seconds: float, streams: RankStreams | None
+    parts: dict[int, ipp.AsyncResult], seconds: float, streams: LiveOutput | None
 ) -> bool:
     end = time.monotonic() + seconds
     while True:
