@@ -121,7 +121,8 @@ def compare(
             check_world(spec, world, cluster.ranks_per_host)
             if source:
                 _copy(cluster, source, spec)
-            result = start_run(cluster, spec, show=False).wait()
+            label = f"compare {strategy.describe()}"
+            result = start_run(cluster, spec, show=False, label=label).wait()
             row.update(_figures(result, warmup), status="ok")
         except (ValueError, RankError) as e:
             row["status"] = f"{type(e).__name__}: {e}".splitlines()[0]

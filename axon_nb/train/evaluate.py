@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from axon_nb.cluster.waiting import results
 from axon_nb.rank import entry
+from axon_nb.train.progress import published
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -55,4 +56,11 @@ def evaluate(
         raise ValueError("; ".join(problems))
     targets = cluster.targets()
     ar, interrupted = cluster.apply(targets, entry.evaluate, name, data, loss, metrics, batch_size)
-    return results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))[0]
+    bar, tick = published("evaluate", ar)
+    try:
+        return results(cluster.wait(ar, targets, stream=True, interrupted=interrupted, tick=tick))[
+            0
+        ]
+    finally:
+        tick()
+        bar.close()

@@ -13,6 +13,7 @@ from axon_nb.cluster.hangs import HangWatch
 from axon_nb.cluster.waiting import describe_error, results
 from axon_nb.errors import AxonError, RankError
 from axon_nb.spec.train_spec import TrainSpec
+from axon_nb.train.progress import ProgressBar
 from axon_nb.train.result import TrainResult, build_result, merge_records
 from axon_nb.train.trace_report import trace_table
 from axon_nb.widgets.dashboard import Dashboard
@@ -66,6 +67,7 @@ class TrainHandle:
         run: str,
         *,
         interrupted: bool = False,
+        label: str | None = None,
     ) -> None:
         self._cluster = cluster
         self._client = cluster.client
@@ -81,9 +83,10 @@ class TrainHandle:
         self._records: dict[int, dict[int, dict[str, Any]]] = {r: {} for r in targets}
         self._latest: dict[int, dict[str, Any]] = {}
         self._result: TrainResult | None = None
-        self._printed = 0
         self.shown = False
-        """True once the dashboard is displayed (then no text progress is printed)."""
+        """True once the dashboard is displayed (then no text bar is drawn)."""
+        self._bar = ProgressBar(label or f"train {spec.name}", spec.steps)
+        """The text bar drawn where no dashboard is shown (a terminal; a kernel's compare)."""
         self._listeners: list[MetricsListener] = []
         self.restart_on_death = False
         """Set by automatic recovery (``max_restarts``), which restarts every rank when one
@@ -288,6 +291,9 @@ class TrainHandle:
             finally:
                 # The monitor's last read and the dashboard's final state come before the result.
                 self._monitor.join(timeout=LAST_PUBLICATION_S + MONITOR_S * 50)
+                if not self.shown:
+                    self._tick()
+                    self._bar.close()
             self._result = build_result(
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
             )
@@ -324,29 +330,16 @@ class TrainHandle:
         return self.wait(timeout)
 
     def _tick(self) -> None:
-        """Print a progress line each tenth of the run, where no dashboard is shown."""
+        """Redraw the text bar (``train/progress.py``), where no dashboard is shown."""
         if self.shown:
             return
         with self._lock:
-            line = self._progress_line()
-        if line:
-            print(line)
-
-    def _progress_line(self) -> str | None:
-        if len(self._latest) < len(self._targets) or not self._spec.steps:
-            return None  # (steps=0 builds the run and trains nothing: no progress to show)
-        done = min(m["step"] - m["start_step"] for m in self._latest.values())
-        tenth = done * 10 // self._spec.steps
-        first = self._targets[0]
-        if tenth <= self._printed or done >= self._spec.steps or not self._records[first]:
-            return None
-        self._printed = tenth
-        last = self._records[first][max(self._records[first])]
-        total = self._latest[first]["total_steps"]
-        return (
-            f"step {last['step']}/{total}  loss {last['loss']:.4g}  "
-            f"{last['samples_per_s']:.0f} samples/s"
-        )
+            if len(self._latest) < len(self._targets):
+                return
+            done = min(m["step"] - m["start_step"] for m in self._latest.values())
+            records = self._records[self._targets[0]]
+            loss = records[max(records)]["loss"] if records else None
+        self._bar.update(done, loss=loss)
 
     def __repr__(self) -> str:
         state = "done" if self.done else "running"

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from axon_nb.cluster.waiting import results
 from axon_nb.rank import entry
+from axon_nb.train.progress import published
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -56,4 +57,11 @@ def predict(
     ar, interrupted = cluster.apply(
         targets, entry.predict, name, data, batch_size, None if output_dir is None else output_dir
     )
-    return results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))[0]
+    bar, tick = published("predict", ar)
+    try:
+        return results(cluster.wait(ar, targets, stream=True, interrupted=interrupted, tick=tick))[
+            0
+        ]
+    finally:
+        tick()
+        bar.close()

@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 
 def start_run(
-    cluster: ClusterLike, spec: TrainSpec, *, show: bool, notes: Sequence[str] = ()
+    cluster: ClusterLike,
+    spec: TrainSpec,
+    *,
+    show: bool,
+    notes: Sequence[str] = (),
+    label: str | None = None,
 ) -> TrainHandle:
     """Send ``spec`` to every rank and return the run's handle at once."""
     targets = cluster.targets()
@@ -36,7 +41,7 @@ def start_run(
     elif (shared := notebook_data.share(cluster, spec.data)) is not None:
         sent = dataclasses.replace(spec, data=shared)  # its tensors held once per host
     ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(sent), run)
-    handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted)
+    handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted, label=label)
     for note in notes:
         handle.dashboard.note(note)
     cluster.last_run = handle

@@ -198,9 +198,10 @@ function render({ model, el: root }) {
     const eta = model.get("frozen") ? "done" : `ETA ${seconds(p.eta_s)}`;
     const saved = p.checkpoint ? ` · checkpoint at step ${p.checkpoint.step}` : "";
     const notes = (p.notes || []).length ? ` · ${p.notes.join(" · ")}` : "";
+    const loss = p.loss == null ? "" : ` · loss ${Number(p.loss.toPrecision(4))}`;
     progressText.textContent =
       `step ${p.step || 0} / ${p.total || 0} · ${seconds(p.elapsed_s || 0)} · ${eta} · ` +
-      `${Math.round(p.samples_per_s || 0)} samples/s${saved}${notes}`;
+      `${Math.round(p.samples_per_s || 0)} samples/s${loss}${saved}${notes}`;
     progressText.setAttribute("data-step", p.step || 0);
   }
 

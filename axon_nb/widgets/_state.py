@@ -133,10 +133,10 @@ class DashboardState:
         return "stalled" if status == "running" and silent and not self.frozen else status
 
     def progress(self) -> dict[str, Any]:
-        """Step (slowest rank), total, elapsed, ETA and throughput."""
+        """Step (slowest rank), total, elapsed, ETA, throughput and the last loss."""
         if not self.latest:
             return {"step": 0, "total": 0, "start": 0, "elapsed_s": 0.0, "eta_s": None,
-                    "samples_per_s": 0.0, "checkpoint": None,
+                    "samples_per_s": 0.0, "loss": None, "checkpoint": None,
                     "notes": list(self.notes)}  # fmt: skip
         messages = list(self.latest.values())
         step = min(m["step"] for m in messages)
@@ -149,6 +149,7 @@ class DashboardState:
         throughput = self._recent_throughput()
         return {"step": step, "total": total, "start": start, "elapsed_s": elapsed,
                 "eta_s": eta if step < total else 0.0, "samples_per_s": throughput,
+                "loss": self.loss[-1] if self.loss else None,
                 "checkpoint": messages[0].get("checkpoint"), "notes": list(self.notes)}  # fmt: skip
 
     def memory(self) -> list[dict[str, Any]]:

@@ -306,6 +306,8 @@ def _progress(p: dict[str, Any], *, frozen: bool) -> str:
         f"step {p.get('step', 0)} / {p.get('total', 0)} · {_seconds(p.get('elapsed_s'))} · "
         f"{eta} · {round(p.get('samples_per_s') or 0)} samples/s"
     )
+    if p.get("loss") is not None:
+        text += f" · loss {p['loss']:.4g}"
     if p.get("checkpoint"):
         text += f" · checkpoint at step {p['checkpoint']['step']}"
     text += "".join(f" · {note}" for note in p.get("notes") or [])

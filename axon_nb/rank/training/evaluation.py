@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from axon_nb.parallel.parallelize import ParallelModel
 from axon_nb.rank import runtime
 from axon_nb.rank.data.shards import resolve_dataset
 from axon_nb.rank.data.structure import collate, map_tensors
+from axon_nb.rank.observe.call_progress import reported
 from axon_nb.rank.training import trainstate
 from axon_nb.rank.training.model_loss import own_loss
 
@@ -47,7 +48,13 @@ def evaluate_run(
     state = trainstate.get(name)
     dataset = resolve_dataset(data, ctx.rank)
     return evaluate_model(
-        state.parallel, dataset, loss=loss, metrics=metrics, batch_size=batch_size, ctx=ctx
+        state.parallel,
+        dataset,
+        loss=loss,
+        metrics=metrics,
+        batch_size=batch_size,
+        ctx=ctx,
+        report=True,
     )
 
 
@@ -62,12 +69,14 @@ def evaluate_model(
     autocast: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     max_batches: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    report: bool = False,
 ) -> dict[str, float]:
     """The loss and ``metrics`` of a laid-out model over ``dataset`` (every rank calls it),
     ``batch_size`` samples per forward on each data-parallel rank. ``max_batches``: stop
     after that many (a check of the first batch before a run trains). ``collate_fn``: how
     items become a batch (the run's ``loader={"collate_fn": ...}``, e.g. padding); default
-    PyTorch's, lists of numbers made tensors."""
+    PyTorch's, lists of numbers made tensors. ``report``: publish the progress to the
+    kernel (``rank/observe/call_progress.py``)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     mine, rounds = share_of(parallel, len(dataset), batch_size, ctx.rank, "evaluate")
     rounds = min(rounds, max_batches or rounds)
@@ -75,7 +84,10 @@ def evaluate_model(
     error: Exception | None = None
     try:
         with eval_mode(parallel.model), torch.no_grad():
-            for indices, weight in rounds_of(mine, batch_size, rounds):
+            batches: Iterable[tuple[list[int], int]] = rounds_of(mine, batch_size, rounds)
+            if report:
+                batches = reported(batches, rounds, lambda: _mean_loss(sums))
+            for indices, weight in batches:
                 items = [dataset[i] for i in indices]
                 batch = (collate_fn or collate)(items)
                 batch = map_tensors(lambda t: t.to(ctx.device), batch)
@@ -96,6 +108,11 @@ def evaluate_model(
     result = {"loss": float(sums[1]) / total}
     result |= {key: float(sums[2 + i]) / total for i, key in enumerate(metrics)}
     return {**result, "samples": round(total)}
+
+
+def _mean_loss(sums: torch.Tensor) -> float | None:
+    """The mean loss of this rank's batches so far (None before any)."""
+    return float(sums[1] / sums[0]) if float(sums[0]) else None
 
 
 def _batch_values(

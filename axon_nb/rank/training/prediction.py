@@ -27,6 +27,7 @@ from axon_nb.parallel.pipeline_plan import first_input_name
 from axon_nb.rank import runtime
 from axon_nb.rank.data.shards import resolve_dataset
 from axon_nb.rank.data.structure import collate, map_tensors
+from axon_nb.rank.observe.call_progress import reported
 from axon_nb.rank.training import trainstate
 from axon_nb.rank.training.evaluation import eval_mode, rounds_of, share_of
 
@@ -44,7 +45,7 @@ def predict_run(name: str, data: Any, *, batch_size: int, output_dir: str | None
     mine, rounds = share_of(parallel, len(dataset), batch_size, ctx.rank, "predict")
     pieces = []
     with eval_mode(parallel.model), torch.no_grad():
-        for indices, weight in rounds_of(mine, batch_size, rounds):
+        for indices, weight in reported(rounds_of(mine, batch_size, rounds), rounds):
             batch = map_tensors(lambda t: t.to(ctx.device), collate([dataset[i] for i in indices]))
             output = _output(parallel, batch)
             if weight and counts and output is not None:
