@@ -10,10 +10,15 @@ on ``--ranks`` ranks of one host:
    (``data=make_data``, which builds the same tensors on each rank), alternating, medians
    (target <= 1.5), and against a bare call (a callable building 256 rows: what a call
    costs whatever its data);
-3. for reference, ``data=lambda: ds``: the dataset pickled to every rank on every call (what
+3. views: a dataset whose inputs and targets are views of one matrix (a slice of columns
+   and the last column, as targets cut from the same array usually are) plus a strided
+   NumPy view, after two calls: host memory against the bytes of the spans the views use
+   (the slice's whole storage, the column as its own copy; target <= 1.3);
+4. for reference, ``data=lambda: ds``: the dataset pickled to every rank on every call (what
    ``data=ds`` cost before), its time and memory the same way (``--no-uncached`` skips it).
 
-Prints both ratios last: ``second call / callable`` and ``memory per host / one copy``.
+Prints the ratios last: ``second call / callable``, ``memory per host / one copy`` and
+``views: memory per host / their spans``.
 
     python benchmarks/notebook_data.py [--mb 205] [--ranks 2] [--steps 10] [--repeats 3]
 """
@@ -25,6 +30,7 @@ import statistics
 import time
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -64,6 +70,26 @@ def host_bytes(cluster: Any) -> int:
     parts = cluster.run(held_memory, stream=False)
     copies = {k: v for p in parts for k, v in p["copies"].items()}
     return sum(p["anonymous"] for p in parts) + sum(copies.values())
+
+
+class Views(torch.utils.data.Dataset):
+    """Inputs and target cut from one matrix, and a strided NumPy view (``rows`` rows)."""
+
+    def __init__(self, rows: int) -> None:
+        base = torch.rand(rows, WIDTH + 1, generator=torch.Generator().manual_seed(0))
+        self.x, self.y = base[:, :WIDTH], base[:, WIDTH:]
+        self.noise = np.random.default_rng(0).random((2 * rows, 64), np.float32)[::2]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i] + float(self.noise[i, 0]) * 1e-3
+
+    def span_bytes(self) -> int:
+        """The base's storage (the slice's span), the column's copy, the NumPy span."""
+        rows = len(self.x)
+        return rows * (WIDTH + 1) * 4 + rows * 4 + ((2 * rows - 1) * 64) * 4
 
 
 def timed(cluster: Any, args: dict[str, Any], **more: Any) -> float:
@@ -109,6 +135,20 @@ def main() -> None:
                   f"{cached_s[-1]:.2f} s, bare call {bare_s[-1]:.2f} s", flush=True)  # fmt: skip
         assert notebook_data.stats(cluster).bytes_sent == stats.bytes_sent  # nothing sent again
 
+        for name in ("built", "cached"):
+            cluster.run(entry.drop_run, name, stream=False)
+        notebook_data.forget(cluster)
+        views = Views(rows)
+        base = host_bytes(cluster)
+        timed(cluster, args, data=views, name="views")
+        timed(cluster, args, data=views, name="views")
+        views_held = host_bytes(cluster) - base
+        views_ratio = views_held / views.span_bytes()
+        print(f"views: spans {views.span_bytes() / 1e6:.0f} MB, host memory beyond before "
+              f"{views_held / 1e6:.0f} MB")  # fmt: skip
+        cluster.run(entry.drop_run, "views", stream=False)
+        notebook_data.forget(cluster)
+
         if opts.uncached:
             for name in ("built", "cached"):
                 cluster.run(entry.drop_run, name, stream=False)
@@ -126,6 +166,7 @@ def main() -> None:
     print(f"second call / bare call (a callable building 256 rows) = {bare_ratio:.2f}")
     print(f"second call / callable = {time_ratio:.2f} (target <= 1.5)")
     print(f"memory per host / one copy = {memory_ratio:.2f} (target <= 1.3)")
+    print(f"views: memory per host / their spans = {views_ratio:.2f} (target <= 1.3)")
 
 
 if __name__ == "__main__":

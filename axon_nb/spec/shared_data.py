@@ -43,13 +43,29 @@ class SharedTensor:
         return count
 
 
+@dataclass(frozen=True, slots=True)
+class SharedView:
+    """How the dataset's array ``i`` is made from a held tensor (a span of the notebook's
+    storage): ``held.as_strided(shape, stride, offset)``, a NumPy array when ``numpy``."""
+
+    tensor: int
+    """Index of the held tensor in ``SharedData.tensors``."""
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    """Elements from the start of the held tensor."""
+    numpy: bool = False
+
+
 @dataclass(frozen=True)
 class SharedData:
     """A notebook dataset as the ranks receive it: ``skeleton`` is the dataset pickled with
-    cloudpickle, where persistent id ``i`` stands for ``tensors[i]``."""
+    cloudpickle, where persistent id ``i`` stands for ``views[i]`` (for ``tensors[i]``
+    whole when there are no views)."""
 
     skeleton: bytes
     tensors: tuple[SharedTensor, ...]
+    views: tuple[SharedView, ...] = ()
 
     def __repr__(self) -> str:
         return f"SharedData({len(self.skeleton)} bytes, tensors={[t.key for t in self.tensors]})"

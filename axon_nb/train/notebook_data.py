@@ -49,6 +49,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import io
 import pickle
@@ -64,6 +65,8 @@ import cloudpickle
 from axon_nb.rank import entry
 from axon_nb.spec.dask_rows import is_dask_data
 from axon_nb.spec.shared_data import SharedData, SharedTensor
+from axon_nb.train import storage_spans
+from axon_nb.train.storage_spans import Span
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -98,17 +101,25 @@ class NotebookDataStats:
 
 @dataclass
 class _Entry:
-    ref: weakref.ref[Any]
+    refs: list[weakref.ref[Any]]
     fingerprint: tuple[Any, ...]
     key: str
+
+    def alive(self, arrays: list[Any] | None = None) -> bool:
+        """Whether the arrays are all still there (and are ``arrays``, if given)."""
+        held = [ref() for ref in self.refs]
+        if arrays is None:
+            return all(a is not None for a in held)
+        return len(held) == len(arrays) and all(h is a for h, a in zip(held, arrays, strict=True))
 
 
 @dataclass
 class _Cache:
     """One cluster's notebook tensors: their keys, and what the ranks were last seen holding."""
 
-    entries: dict[int, _Entry] = field(default_factory=dict)
-    """``id(tensor)`` -> its entry (the weak reference tells a reused id apart)."""
+    entries: dict[tuple[int, ...], _Entry] = field(default_factory=dict)
+    """The ``id``s of a span's arrays -> its entry (the weak references tell reused ids
+    apart)."""
     world: tuple[Any, ...] = ()
     """The ranks' (host, pid) when ``confirmed`` was taken: other processes hold nothing."""
     confirmed: set[str] = field(default_factory=set)
@@ -117,23 +128,25 @@ class _Cache:
     """Keys the ranks may let go of, told with the next check."""
     stats: NotebookDataStats = field(default_factory=NotebookDataStats)
 
-    def key_for(self, tensor: Any, torch: Any) -> str:
-        """``tensor``'s key: kept while it is the same object with the same fingerprint."""
+    def key_for(self, span: Span, torch: Any) -> str:
+        """``span``'s key: kept while its arrays are the same objects, laid out the same, with
+        the same fingerprint."""
         self._sweep()
-        fingerprint = _fingerprint(tensor, torch)
-        entry = self.entries.get(id(tensor))
-        if entry is not None and entry.ref() is tensor and entry.fingerprint == fingerprint:
+        fingerprint = (tuple(span.layouts), _digest(span.tensor, torch))
+        ident = tuple(id(a) for a in span.arrays)
+        entry = self.entries.get(ident)
+        if entry is not None and entry.alive(span.arrays) and entry.fingerprint == fingerprint:
             return entry.key
         if entry is not None:
             self.drop.add(entry.key)
         key = uuid.uuid4().hex
-        self.entries[id(tensor)] = _Entry(weakref.ref(tensor), fingerprint, key)
+        self.entries[ident] = _Entry([weakref.ref(a) for a in span.arrays], fingerprint, key)
         return key
 
     def _sweep(self) -> None:
-        """Forget tensors the notebook no longer holds; the ranks drop them at the next check."""
+        """Forget arrays the notebook no longer holds; the ranks drop them at the next check."""
         for ident, known in list(self.entries.items()):
-            if known.ref() is None:
+            if not known.alive():
                 del self.entries[ident]
                 self.drop.add(known.key)
 
@@ -152,17 +165,27 @@ def share(cluster: ClusterLike, data: Any) -> SharedData | None:
     torch = sys.modules.get("torch")  # no tensor exists in a process that never imported it
     if torch is None or not _is_object(data):
         return None
-    skeleton, tensors = _split(data, torch.Tensor)
-    if not tensors:
+    skeleton, arrays = _split(data, torch.Tensor)
+    if not arrays:
         return SharedData(skeleton, ())
     cache = _caches.setdefault(cluster, _Cache())
     world = tuple((r.get("host"), r.get("pid")) for r in cluster.ranks)
     if world != cache.world:  # a restarted or re-formed cluster: its ranks hold nothing
         cache.world, cache.confirmed, cache.drop = world, set(), set()
+    spans = storage_spans.plan(arrays, torch)
+    tensors = [span.tensor for span in spans]
     metas = tuple(
-        SharedTensor(cache.key_for(t, torch), str(t.dtype).removeprefix("torch."), tuple(t.shape))
-        for t in tensors
+        SharedTensor(
+            cache.key_for(span, torch), str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        )
+        for span, t in zip(spans, tensors, strict=True)
     )
+    views = {
+        i: dataclasses.replace(v, tensor=n)
+        for n, sp in enumerate(spans)
+        for i, v in sp.views.items()
+    }
+    shared = SharedData(skeleton, metas, tuple(views[i] for i in range(len(arrays))))
     cache.stats.calls += 1
     keys = {m.key for m in metas}
     run = getattr(cluster, "last_run", None)
@@ -170,9 +193,9 @@ def share(cluster: ClusterLike, data: Any) -> SharedData | None:
         # The ranks are busy with a run: a check would wait for its end; what they held when
         # it started they hold now (a run never drops a tensor).
         cache.stats.tensors_reused += len(metas)
-        return SharedData(skeleton, metas)
+        return shared
     _send_missing(cluster, cache, metas, tensors, torch)
-    return SharedData(skeleton, metas)
+    return shared
 
 
 def stats(cluster: ClusterLike) -> NotebookDataStats:
@@ -213,30 +236,45 @@ def _is_object(data: Any) -> bool:
 
 
 class _Splitter(cloudpickle.Pickler):
-    """cloudpickle, with each large plain CPU tensor replaced by its index in ``tensors``."""
+    """cloudpickle, with each large plain CPU tensor and NumPy array (a pandas DataFrame's
+    columns too) replaced by its index in ``arrays``."""
 
     def __init__(self, file: io.BytesIO, tensor_type: type) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._tensor_type = tensor_type
+        numpy = sys.modules.get("numpy")
+        self._array_type = numpy.ndarray if numpy is not None else None
         self._index: dict[int, int] = {}
-        self.tensors: list[Any] = []
+        self.arrays: list[Any] = []
 
     def persistent_id(self, obj: Any) -> int | None:
-        if type(obj) is not self._tensor_type:  # (subclasses such as Parameter are pickled)
+        kind = type(obj)  # (subclasses such as Parameter or np.matrix are pickled)
+        if kind is self._tensor_type:
+            shareable = _shareable(obj)
+        elif kind is self._array_type and kind is not None:
+            shareable = _shareable_array(obj)
+        else:
             return None
         index = self._index.get(id(obj))
-        if index is None and _shareable(obj) and len(self.tensors) < MAX_TENSORS:
-            index = self._index[id(obj)] = len(self.tensors)
-            self.tensors.append(obj)
+        if index is None and shareable and len(self.arrays) < MAX_TENSORS:
+            index = self._index[id(obj)] = len(self.arrays)
+            self.arrays.append(obj)
         return index
+
+    def reducer_override(self, obj: Any) -> Any:
+        """A small view of a large storage is pickled as a compact copy: torch pickles a
+        view's whole storage (a column cut from a 100 MB matrix would carry the 100 MB)."""
+        if type(obj) is self._tensor_type and _drags_storage(obj):
+            return obj.clone().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return super().reducer_override(obj)
 
 
 def _split(data: Any, tensor_type: type) -> tuple[bytes, list[Any]]:
-    """The skeleton of ``data`` and the tensors left out of it, in persistent-id order."""
+    """The skeleton of ``data`` and the arrays left out of it, in persistent-id order."""
     buffer = io.BytesIO()
     pickler = _Splitter(buffer, tensor_type)
     pickler.dump(data)
-    return buffer.getvalue(), pickler.tensors
+    return buffer.getvalue(), pickler.arrays
 
 
 def _shareable(t: Any) -> bool:
@@ -249,23 +287,40 @@ def _shareable(t: Any) -> bool:
     )
 
 
+def _drags_storage(t: Any) -> bool:
+    """A plain CPU tensor whose storage is over twice its own bytes (and not small)."""
+    if t.device.type != "cpu" or str(t.layout) != "torch.strided" or t.requires_grad:
+        return False
+    storage = t.untyped_storage().nbytes()
+    return storage > 2 * t.nbytes and storage >= MIN_TENSOR_BYTES
+
+
+def _shareable_array(a: Any) -> bool:
+    """A NumPy array torch can view: numbers or booleans, byte strides that step forward by
+    whole elements, at least :data:`MIN_TENSOR_BYTES`."""
+    return (
+        a.dtype.kind in "biufc"
+        and a.dtype.isnative
+        and a.nbytes >= MIN_TENSOR_BYTES
+        and all(s >= 0 and s % a.itemsize == 0 for s in a.strides)
+    )
+
+
 def _bytes_of(t: Any, torch: Any) -> Any:
     """``t``'s values as a flat NumPy array of bytes (a view when ``t`` is contiguous)."""
     return t.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8).numpy()
 
 
-def _fingerprint(t: Any, torch: Any) -> tuple[Any, ...]:
-    """What tells a changed tensor apart (see the module doc), in microseconds."""
+def _digest(t: Any, torch: Any) -> bytes:
+    """A hash of :data:`SAMPLES` windows of contiguous ``t``'s bytes (see the module doc), in
+    microseconds."""
     flat = _bytes_of(t, torch)
     digest = hashlib.blake2b(digest_size=16)
     last = max(flat.size - WINDOW_BYTES, 0)
     for i in range(SAMPLES):
         start = last * i // (SAMPLES - 1)
         digest.update(flat[start : start + WINDOW_BYTES])
-    return (
-        str(t.dtype), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.data_ptr(),
-        t._version, digest.digest(),
-    )  # fmt: skip
+    return digest.digest()
 
 
 def _send_missing(

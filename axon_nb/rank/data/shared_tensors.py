@@ -125,9 +125,18 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, data: SharedData) -> None:
         super().__init__(io.BytesIO(data.skeleton))
         self._tensors = data.tensors
+        self._views = data.views
 
-    def persistent_load(self, pid: Any) -> torch.Tensor:
-        meta = self._tensors[pid]
+    def persistent_load(self, pid: Any) -> Any:
+        if not self._views:
+            return self._copy(self._tensors[pid])
+        view = self._views[pid]
+        held = self._copy(self._tensors[view.tensor])
+        made = held.as_strided(view.shape, view.stride, view.offset)  # (shares the held copy)
+        return made.numpy() if view.numpy else made
+
+    def _copy(self, meta: SharedTensor) -> torch.Tensor:
+        """This host's copy of ``meta``."""
         entry = _held.get(meta.key)
         if entry is None:  # the kernel checks with held() before each run
             raise RuntimeError(
