@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 from axon_nb.rank import runtime
+from axon_nb.rank.world import kept_world, lightning_ranks
 
 _world_sockets: set[str] = set()
 """Identities ("socket:[inode]") of the sockets opened while joining a world or creating any
@@ -116,6 +117,8 @@ def init_process_group(ctx: runtime.RankContext) -> None:
         **({"device_id": ctx.device} if ctx.device.type == "cuda" else {}),
     )
     _world_sockets.update(set(open_sockets().values()) - before)  # the store's too
+    kept_world.install()  # (Trainer and end_training() destroy the default group)
+    lightning_ranks.install()  # (Fabric(strategy="ddp") joins this world)
 
 
 def _track_group_sockets() -> None:
@@ -174,7 +177,7 @@ def reform(master_port: int) -> dict[str, object]:
     if dist.is_initialized():
         # A severed group may fail to say goodbye; it is gone either way.
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            kept_world.destroy_world()
     gc.collect()  # let the old group close its sockets before the new one opens any
     os.environ["MASTER_PORT"] = str(master_port)
     fresh = dataclasses.replace(runtime.context(), master_port=master_port)
