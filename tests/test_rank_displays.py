@@ -88,7 +88,8 @@ def displays(cell: Any) -> list[str]:
 
 def test_each_rank_updates_its_own_display_while_the_cell_runs(run) -> None:
     cells, client = run
-    assert sorted(displays(cells["update"])) == ["[rank 0] 'rank 0 step 2'", "[rank 1] 'rank 1 step 2'"]
+    want = ["[rank 0] 'rank 0 step 2'", "[rank 1] 'rank 1 step 2'"]
+    assert sorted(displays(cells["update"])) == want
     index = list(CELLS).index("update")
     mine = [(t, kind) for t, i, kind, _ in client.arrivals if i == index]
     shown = min(t for t, kind in mine if kind == "display_data")

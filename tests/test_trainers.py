@@ -42,6 +42,8 @@ dist.all_reduce(t)
 print("sum", int(t), dist.get_world_size())
 """
 """The world still works: every rank in one all_reduce."""
+SUM = r"sum (\d+) (\d+)"
+EVERY_RANK_IN_ONE = {0: ("2", "2"), 1: ("2", "2")}
 
 CELLS = {
     "start": "%load_ext axon_nb\n%axon_cluster 2",
@@ -142,16 +144,13 @@ def test_hugging_face_trainer_trains_on_the_world_and_shows_its_progress(outputs
     got = _per_rank(outputs["trainer"], r"trainer world (\d+) loss ([\d.]+)")
     assert got.keys() == {0, 1} and got[0] == got[1] and got[0][0] == "2"
     assert "6/6" in outputs["trainer"]  # its progress bar, shown from rank 0
-    assert _per_rank(outputs["after_trainer"], r"sum (\d+) (\d+)") == {0: ("2", "2"), 1: ("2", "2")}
+    assert _per_rank(outputs["after_trainer"], SUM) == EVERY_RANK_IN_ONE
 
 
 def test_accelerate_in_a_cell_and_as_a_script(outputs) -> None:
     got = _per_rank(outputs["accelerate"], r"accelerate (\d+) (\w+) ([-\d.]+)")
     assert got.keys() == {0, 1} and got[0] == got[1] and got[0][:2] == ("2", "True")
-    assert _per_rank(outputs["after_accelerate"], r"sum (\d+) (\d+)") == {
-        0: ("2", "2"),
-        1: ("2", "2"),
-    }
+    assert _per_rank(outputs["after_accelerate"], SUM) == EVERY_RANK_IN_ONE
     script = _per_rank(outputs["script"], r"script (\d+) ([-\d.]+)")
     assert script.keys() == {0, 1} and script[0] == script[1] and script[0][0] == "2"
 
@@ -159,7 +158,7 @@ def test_accelerate_in_a_cell_and_as_a_script(outputs) -> None:
 def test_lightning_fabric_joins_the_world_without_launching(outputs) -> None:
     got = _per_rank(outputs["fabric"], r"fabric (\d+) (\w+) (\w+) ([-\d.]+)")
     assert got.keys() == {0, 1} and got[0] == got[1] and got[0][:3] == ("2", "True", "True")
-    assert _per_rank(outputs["after_fabric"], r"sum (\d+) (\d+)") == {0: ("2", "2"), 1: ("2", "2")}
+    assert _per_rank(outputs["after_fabric"], SUM) == EVERY_RANK_IN_ONE
 
 
 def test_cluster_train_works_after_them(outputs) -> None:
