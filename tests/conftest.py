@@ -129,8 +129,8 @@ def shell() -> Iterator[InteractiveShell]:
 
 
 SLOW_FIRST = (
-    "test_recovery.py", "test_train_model_parallel.py", "test_relayout.py", "test_hosts.py",
-    "test_notebook.py", "test_hang.py",
+    "test_binder.py", "test_recovery.py", "test_train_model_parallel.py", "test_relayout.py",
+    "test_hosts.py", "test_hang.py",
     "test_stop.py", "test_train_fsdp.py", "test_kernel_exit.py", "test_lifecycle.py",
     "test_interrupts.py", "test_checkpoint.py", "test_train_ddp.py", "test_hf_models.py",
     "test_predictions.py", "test_rescue.py",
