@@ -99,11 +99,15 @@ class Owned:
                     p.kill()
 
 
+HOME_PREFIX = "axon-owner-home-"
+"""The owner's home for the test, in the temporary directory, 0755 as homes are."""
+
+
 @pytest.fixture(scope="module")
 def owned() -> Iterator[Owned]:
     if missing() is not None:
         pytest.skip(f"other users: {missing()}")
-    home = Path(tempfile.mkdtemp(prefix="axon-owner-home-"))
+    home = Path(tempfile.mkdtemp(prefix=HOME_PREFIX))
     os.chmod(home, 0o755)
     shutil.chown(home, OWNER, OWNER)
     cluster = Owned(home)
@@ -197,6 +201,7 @@ def test_no_file_of_the_cluster_opens_for_a_stranger(owned: Owned) -> None:
         for root in roots
         for top, _, _ in os.walk(root)
         if not top.startswith(str(owned.home))
+        and HOME_PREFIX not in top  # (another run's test home, and what it holds)
         and os.lstat(top).st_uid == owned.uid
         and os.lstat(top).st_mode & 0o077
         and not _under_private(top)

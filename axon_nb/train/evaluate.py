@@ -11,9 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from axon_nb.cluster.waiting import results
 from axon_nb.rank import entry
-from axon_nb.train.progress import published
+from axon_nb.train.progress import wait_with_bar
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -56,11 +55,4 @@ def evaluate(
         raise ValueError("; ".join(problems))
     targets = cluster.targets()
     ar, interrupted = cluster.apply(targets, entry.evaluate, name, data, loss, metrics, batch_size)
-    bar, tick = published("evaluate", ar)
-    try:
-        return results(cluster.wait(ar, targets, stream=True, interrupted=interrupted, tick=tick))[
-            0
-        ]
-    finally:
-        tick()
-        bar.close()
+    return wait_with_bar(cluster, ar, targets, "evaluate", interrupted)[0]

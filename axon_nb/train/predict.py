@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from axon_nb.cluster.waiting import results
 from axon_nb.rank import entry
-from axon_nb.train.progress import published
+from axon_nb.train.progress import wait_with_bar
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -57,11 +56,4 @@ def predict(
     ar, interrupted = cluster.apply(
         targets, entry.predict, name, data, batch_size, None if output_dir is None else output_dir
     )
-    bar, tick = published("predict", ar)
-    try:
-        return results(cluster.wait(ar, targets, stream=True, interrupted=interrupted, tick=tick))[
-            0
-        ]
-    finally:
-        tick()
-        bar.close()
+    return wait_with_bar(cluster, ar, targets, "predict", interrupted)[0]

@@ -18,12 +18,16 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import ipyparallel as ipp
 
+from axon_nb.cluster.waiting import results
 from axon_nb.spec.call_progress import PROGRESS_KEY
 from axon_nb.widgets.frontend import in_notebook
+
+if TYPE_CHECKING:
+    from axon_nb.cluster.transport import ClusterLike
 
 WIDTH = 20
 """Characters of the bar itself."""
@@ -107,16 +111,27 @@ def clock(seconds: float | None) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
-def published(label: str, ar: ipp.AsyncResult) -> tuple[ProgressBar, Callable[[], None]]:
-    """A bar for a call whose ranks publish their progress (``rank/observe/call_progress.py``),
-    and the ``tick`` that redraws it from rank 0's. Example::
+def wait_with_bar(
+    cluster: ClusterLike, ar: ipp.AsyncResult, targets: list[int], label: str, interrupted: bool
+) -> list[Any]:
+    """Wait for a call whose ranks publish their progress (``rank/observe/call_progress.py``)
+    and return its results in rank order, drawing its bar meanwhile. Example::
 
-        bar, tick = published("evaluate", ar)
-        try:
-            cluster.wait(ar, targets, stream=True, tick=tick)
-        finally:
-            bar.close()
+        ar, interrupted = cluster.apply(targets, entry.evaluate, ...)
+        wait_with_bar(cluster, ar, targets, "evaluate", interrupted)[0]
     """
+    bar, tick = published(label, ar)
+    try:
+        parts = cluster.wait(ar, targets, stream=True, interrupted=interrupted, tick=tick)
+        return results(parts)
+    finally:
+        tick()
+        bar.close()
+
+
+def published(label: str, ar: ipp.AsyncResult) -> tuple[ProgressBar, Callable[[], None]]:
+    """A bar for a call whose ranks publish their progress, and the ``tick`` that redraws
+    it from rank 0's (see :func:`wait_with_bar`)."""
     bar = ProgressBar(label, 0)
 
     def tick() -> None:
