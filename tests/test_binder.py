@@ -26,6 +26,7 @@ def binder(tmp_path_factory: pytest.TempPathFactory) -> BinderEnv:
 def run(binder: BinderEnv, name: str, tmp_path: Path) -> tuple[Any, str]:
     """The executed notebook, and its streams' text."""
     nb, peak = binder.execute(f"examples/{name}", tmp_path / name)
+    print(f"{name}: peak {peak / 2**30:.2f} GiB")  # (pytest -s shows each)
     assert peak <= LIMIT_BYTES, f"{name} peaked at {peak / 2**30:.2f} GiB"
     text = "".join(out.get("text", "") for cell in nb.cells for out in cell.get("outputs", []))
     return nb, text
@@ -82,7 +83,8 @@ def test_dashboard(binder: BinderEnv, tmp_path: Path) -> None:
     assert any("application/vnd.jupyter.widget-view+json" in o.data for o in shown)
     text = "".join(str(o.get("data", {}).get("text/plain", "")) for c in nb.cells
                    for o in c.get("outputs", []))  # fmt: skip
-    assert re.search(r"<TrainResult 'model' done at step 3000 \(3000 steps, 2 ranks", text), text
+    finished = r"<TrainResult 'model' finished at step 3000 \(3000 steps, 2 ranks"
+    assert re.search(finished, text), text
 
 
 def test_fine_tune_lora(binder: BinderEnv, tmp_path: Path) -> None:
