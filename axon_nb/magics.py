@@ -108,7 +108,7 @@ class AxonMagics(Magics):
         ranks = _parse_ranks(args.ranks)
         parts = self._require_cluster().execute(cell, ranks=ranks, stream=not args.no_stream)
         if args.no_stream:
-            LiveOutput(parts, sys.stdout, sys.stderr, live=False).finish()
+            LiveOutput(parts, sys.stdout, sys.stderr).finish()
         _show_results(parts)
 
     @line_magic

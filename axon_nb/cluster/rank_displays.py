@@ -91,32 +91,23 @@ class _Region:
     lines: dict[str, _Line] = field(default_factory=lambda: {"stdout": _Line(), "stderr": _Line()})
 
     def take_slot(self) -> tuple[int, bool]:
-        """The next free slot, and whether it is new (shown) or reused (updated)."""
-        if self.used < len(self.slots):
-            self.used += 1
-            return self.used - 1, False
-        self.slots.append(f"axon-{self.token}-r{self.rank}-{len(self.slots)}")
+        """The next free slot, and whether it is reused (updated) rather than new (shown)."""
+        reused = self.used < len(self.slots)
+        if not reused:
+            self.slots.append(f"axon-{self.token}-r{self.rank}-{len(self.slots)}")
         self.used += 1
-        return self.used - 1, True
+        return self.used - 1, reused
 
 
 class LiveOutput:
     """Shows what the ranks of one call print and display, as it comes (see the module).
 
-    ``parts``: the call's per-rank results; ``live``: show while waiting (else only at
-    :meth:`finish`)."""
+    ``parts``: the call's per-rank results; :meth:`flush` while waiting, :meth:`finish` once
+    they are in (alone, it shows everything at the end)."""
 
-    def __init__(
-        self,
-        parts: dict[int, ipp.AsyncResult],
-        out: TextIO,
-        err: TextIO,
-        *,
-        live: bool = True,
-    ) -> None:
+    def __init__(self, parts: dict[int, ipp.AsyncResult], out: TextIO, err: TextIO) -> None:
         self._parts = parts
         self._files = {"stdout": out, "stderr": err}
-        self._live = live
         self._slots = in_notebook()
         token = uuid.uuid4().hex[:8]
         self._regions = {rank: _Region(rank, token) for rank in parts}
@@ -145,9 +136,8 @@ class LiveOutput:
             self._queue.put((rank, msg, ended))
 
     def flush(self) -> None:
-        """Show what came since the last flush (nothing unless ``live``)."""
-        if self._live:
-            self._show_pending(final=False)
+        """Show what came since the last flush."""
+        self._show_pending(final=False)
 
     def finish(self) -> None:
         """Show everything left, unended lines included; called once the results are in."""
@@ -188,8 +178,6 @@ class LiveOutput:
             else:
                 self._clear(region)
             return
-        if kind not in ("display_data", "update_display_data"):
-            return
         data = _labelled(region.rank, content.get("data", {}))
         metadata = content.get("metadata", {})
         their_id = (content.get("transient") or {}).get("display_id")
@@ -204,10 +192,10 @@ class LiveOutput:
             publish_display_data(data, metadata)
             return
         if WIDGET in data:  # a widget shows no text: its rank goes above it
-            self._fill(region, {"text/plain": f"[rank {region.rank}]"}, {})
-        display_id = self._fill(region, data, metadata)
+            self._put(region, None, {"text/plain": f"[rank {region.rank}]"})
+        slot = self._put(region, None, data, metadata)
         if their_id is not None:
-            _remember(region.rank, str(their_id), display_id)
+            _remember(region.rank, str(their_id), region.slots[slot])
 
     def _on_text(
         self,
@@ -259,11 +247,7 @@ class LiveOutput:
             self._settle_clear(region)
             region.text += labelled
             data = {"text/plain": region.text.rstrip("\n")}
-            if region.text_slot is None:
-                self._fill(region, data, {})
-                region.text_slot = region.used - 1
-            else:
-                self._update(region, region.text_slot, data)
+            region.text_slot = self._put(region, region.text_slot, data)
             return
         file = self._files[name]
         file.write(labelled)
@@ -274,22 +258,24 @@ class LiveOutput:
             return
         line.shown = text
         self._settle_clear(region)
-        data = {"text/plain": f"[rank {region.rank}] {text}"}
-        if line.slot is None:
-            self._fill(region, data, {})
-            line.slot = region.used - 1
-        else:
-            self._update(region, line.slot, data)
+        line.slot = self._put(region, line.slot, {"text/plain": f"[rank {region.rank}] {text}"})
 
-    def _fill(self, region: _Region, data: dict[str, Any], metadata: dict[str, Any]) -> str:
-        """Show ``data`` in the rank's next free slot; returns the slot's display id."""
-        index, new = region.take_slot()
-        display_id = region.slots[index]
-        publish_display_data(data, metadata, transient={"display_id": display_id}, update=not new)
-        return display_id
-
-    def _update(self, region: _Region, index: int, data: dict[str, Any]) -> None:
-        publish_display_data(data, {}, transient={"display_id": region.slots[index]}, update=True)
+    def _put(
+        self,
+        region: _Region,
+        slot: int | None,
+        data: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+    ) -> int:
+        """Show ``data`` in the rank's ``slot`` (None: its next free one); returns the slot."""
+        update = slot is not None
+        if slot is None:
+            slot, reused = region.take_slot()
+            update = reused
+        display_id = region.slots[slot]
+        publish_display_data(data, metadata or {}, transient={"display_id": display_id},
+                             update=update)  # fmt: skip
+        return slot
 
     def _settle_clear(self, region: _Region) -> None:
         if region.clear_pending:

@@ -5,11 +5,14 @@ class of the notebook's own holding tensors, ...), would otherwise be pickled wh
 to every rank on every call, and each rank would keep its own copy. Instead ``start_run``
 gives it to :func:`share`, which
 
-- pickles the dataset with cloudpickle, leaving out every CPU tensor of at least
-  :data:`MIN_TENSOR_BYTES` (the *skeleton*: classes, attributes, small tensors; sent with
-  every call, so changes to them always arrive);
-- names each such tensor by a key: the same tensor object with the same fingerprint keeps
-  its key from call to call;
+- pickles the dataset with cloudpickle, leaving out every CPU tensor and NumPy array of
+  numbers (a pandas DataFrame's blocks too) of at least :data:`MIN_TENSOR_BYTES` (the
+  *skeleton*: classes, attributes, small tensors, a small view as a compact copy of its own;
+  sent with every call, so changes to them always arrive);
+- sends what it left out as the storage spans their views use (``train/storage_spans.py``:
+  views of one storage go once and are rebuilt on the ranks as the same views), each span
+  named by a key: the same arrays with the same layouts and fingerprint keep it from call to
+  call;
 - asks the ranks which keys they hold (one small round trip) and sends each missing tensor
   once per host: one rank of the host writes it into an owner-only file under ``/dev/shm``,
   every rank of the host maps that file, and the file is unlinked at once
@@ -277,19 +280,18 @@ def _split(data: Any, tensor_type: type) -> tuple[bytes, list[Any]]:
     return buffer.getvalue(), pickler.arrays
 
 
+def _plain(t: Any) -> bool:
+    """A dense CPU tensor that needs no autograd: its values are all it is."""
+    return t.device.type == "cpu" and str(t.layout) == "torch.strided" and not t.requires_grad
+
+
 def _shareable(t: Any) -> bool:
-    return (
-        t.device.type == "cpu"
-        and str(t.layout) == "torch.strided"
-        and not t.requires_grad
-        and not t.is_quantized
-        and t.nbytes >= MIN_TENSOR_BYTES
-    )
+    return _plain(t) and not t.is_quantized and t.nbytes >= MIN_TENSOR_BYTES
 
 
 def _drags_storage(t: Any) -> bool:
     """A plain CPU tensor whose storage is over twice its own bytes (and not small)."""
-    if t.device.type != "cpu" or str(t.layout) != "torch.strided" or t.requires_grad:
+    if not _plain(t):
         return False
     storage = t.untyped_storage().nbytes()
     return storage > 2 * t.nbytes and storage >= MIN_TENSOR_BYTES

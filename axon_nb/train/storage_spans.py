@@ -56,8 +56,7 @@ def plan(arrays: list[Any], torch: Any) -> list[Span]:
             groups.setdefault((t.untyped_storage().data_ptr(), t.dtype), []).append(i)
     spans = []
     for members in groups.values():
-        lo = min(extent(views[i])[0] for i in members)
-        hi = max(extent(views[i])[1] for i in members)
+        lo, hi = _union(views, members)
         if len(members) > 1 and 2 * sum(views[i].numel() for i in members) < hi - lo:
             spans += [_span_of(arrays, views, [i]) for i in members]
         else:
@@ -85,9 +84,13 @@ def layout(t: Any) -> tuple[Any, ...]:
             t._version)  # fmt: skip
 
 
+def _union(views: list[Any], members: list[int]) -> tuple[int, int]:
+    """The span of storage ``members``' views reach together."""
+    return min(extent(views[i])[0] for i in members), max(extent(views[i])[1] for i in members)
+
+
 def _span_of(arrays: list[Any], views: list[Any], members: list[int]) -> Span:
-    lo = min(extent(views[i])[0] for i in members)
-    hi = max(extent(views[i])[1] for i in members)
+    lo, hi = _union(views, members)
     first = views[members[0]]
     span = Span(first.as_strided((hi - lo,), (1,), lo))
     for i in members:
