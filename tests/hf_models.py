@@ -184,3 +184,18 @@ class FixedTokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class Pictures(torch.utils.data.Dataset):
+    """16x16 images and labels as dicts of ``pixel_values`` and ``labels`` (no augmentation)."""
+
+    def __init__(self, count: int = 96) -> None:
+        g = torch.Generator().manual_seed(3)
+        self.images = torch.randn(count, 3, 16, 16, generator=g)
+        self.labels = torch.randint(0, 5, (count,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"pixel_values": self.images[i], "labels": self.labels[i]}

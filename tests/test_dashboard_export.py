@@ -121,3 +121,14 @@ def _pixels(png: bytes, color: str, tolerance: int = 40) -> int:
         for count, rgb in image.getcolors(maxcolors=1 << 20) or []
         if all(abs(a - b) <= tolerance for a, b in zip(rgb, target, strict=True))
     )
+
+
+def test_the_memory_chart_says_which_phase_held_each_peak(tmp_path: Path) -> None:
+    board = Dashboard(2, title="phases")
+    for rank, message in STREAM["finished"]["messages"]:
+        memory = {**(message.get("memory") or {}), "peak_phase": "step" if rank else "backward"}
+        board.message(rank, {**message, "memory": memory})
+    board.done({})
+    page = board.save(tmp_path / "run.html").read_text()
+    assert "in backward)" in page and "in step)" in page
+    assert [r["peak_phase"] for r in board.memory] == ["backward", "step"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from axon_nb.metrics.peak import PeakTracker
+from axon_nb.metrics.peak import PeakTracker, attributed, mark_phase
 
 NUMEL = 4096
 BYTES = NUMEL * 4
@@ -58,3 +58,41 @@ def test_resize_is_restored_after_the_tracker_and_an_inner_one() -> None:
     assert (inner.peak, outer.peak, outer.current) == (BYTES, BYTES, 0)
     storage.resize_(BYTES)  # untracked now: nothing changes
     assert outer.current == 0
+
+
+def test_views_and_in_place_results_of_older_storage_are_not_counted_again() -> None:
+    """A ``Linear``'s transposed weight (a view) and the optimizer's in-place update of a
+    parameter return storage the step found (``held_bytes`` counts it): only storage an
+    operator makes is new."""
+    weight = torch.randn(64, 64)
+    with PeakTracker() as tracker:
+        weight.t()  # a view
+        weight.add_(1.0)  # in place
+        assert tracker.peak == 0
+        made = weight * 2  # new storage
+        assert tracker.current == made.numel() * 4
+
+
+def test_the_peak_says_its_phase_and_what_it_was_made_of() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    x = torch.randn(512, 32)
+    with PeakTracker() as tracker:
+        with attributed("buckets"):
+            bucket = torch.zeros(1000)  # alive all along
+        mark_phase("forward")
+        loss = model(x).square().mean()
+        mark_phase("backward")
+        loss.backward()
+        mark_phase("step")
+        for p in model.parameters():
+            p.data.add_(p.grad)
+    for p in model.parameters():
+        tracker.label(p.grad, "grads")
+    parts = tracker.breakdown()
+    # activations (512 samples) dwarf the gradients: the peak is early in backward
+    assert tracker.peak_phase == "backward"
+    assert parts["activations"] >= 2 * 512 * 64 * 4  # the GELU's input and output, saved
+    assert parts["buckets"] == bucket.numel() * 4
+    assert "step temporaries" not in parts
+    assert sum(parts.values()) == tracker.peak
+    assert tracker.peak_excluding("buckets") == tracker.peak - bucket.numel() * 4

@@ -17,7 +17,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from axon_nb.estimate.memory_model import predict_memory, state_bytes
+from axon_nb.estimate.memory_model import predict_memory
+from axon_nb.estimate.optimizer_memory import state_bytes
 from axon_nb.estimate.prediction import predict
 from axon_nb.estimate.profile import ModelProfile
 from axon_nb.estimate.rank_layout import rank_layouts

@@ -1,39 +1,51 @@
-"""Predicted peak memory of one rank during a training step, by term.
+"""Predicted peak memory of one rank during a training step, by term, and the phase that
+holds it.
+
+A step has two high moments: **backward** (its start, when the saved activations are
+largest, and the gradients that come as it goes) and the optimizer **step** (the gradients
+complete, the activations gone, the optimizer's temporaries). The peak is the larger; a
+pipeline's forward and backward interleave (phase ``pipeline``). FSDP without resharding
+after forward has a third, at the end of **forward**: every unit whole, and the all-gather
+outputs of the last two units (FSDP2 frees one only once the next one's copy-out is done).
 
 With ``P`` the parameters this rank's layers hold (tensor-parallel layers split by ``tp``),
 ``T`` the trainable ones among them (all but those with ``requires_grad=False``, such as a
 LoRA model's base: they have no gradients and no optimizer state), ``b`` bytes per
-parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
+parameter, ``s`` the shards of its parameters, ``o`` of its optimizer state and ``N`` the
+data-parallel ranks:
 
 =============  ==================================================================
 ``params``     ``P b / s``
-``optimizer``  ``T x state bytes / o`` (Adam: two fp32 moments, 8 bytes; SGD: 4 or 0)
-``buckets``    DDP (and ZeRO-1's DDP): its gradient buckets, ``T b``, allocated once
-``rebuild``    DDP: ``T b`` more at the second step, when DDP rebuilds its buckets in
-               the order gradients arrived (the old ones go after); with activation
-               checkpointing ``2 T b``: the peak then comes late in backward, when the
-               gradients and their copies in the buckets are both whole
-``grads``      ``T b``; none under FSDP (sharded or not): each unit's reduce-scatter
-               makes its gradients after the unit's backward, and at the peak, in the
-               first units' backward, that unit's whole gradients are in ``gathered`` and
-               (almost) none exist yet. In a pipeline FSDP accumulates whole
-               gradients over the micro-batches and reduce-scatters after the last:
-               ``T b``
+``optimizer``  ``T x state bytes / o`` (``optimizer_memory``: Adam two fp32 moments)
+``buckets``    DDP (and ZeRO-1's DDP): its gradient buckets, ``T b``, allocated once;
+               the gradients are views into them (``gradient_as_bucket_view``). ZeRO-2
+               in backward: its largest bucket (the one being filled or reduced)
+``grads``      gradients outside buckets at the step: ``T b`` without data parallelism
+               (and for DDP with ``gradient_as_bucket_view=False``); ZeRO-2's and FSDP's
+               shards, ``T b / N``. In backward none: the peak comes early, where the saved
+               activations are largest and the largest gradients (a model's last layers)
+               are in buckets (ZeRO-2 reduces a bucket's, FSDP a unit's, after its
+               backward: whole in ``gathered``), except in a pipeline, which accumulates
+               them whole over its micro-batches: ``T b``
 ``activations``  saved activations of the rank's layers x the samples in flight (a
                pipeline keeps several micro-batches); with activation checkpointing a
                checkpointed block keeps its input only, and one block's activations are
                rebuilt at a time in backward; tensor parallelism splits the measured
-               share of them; 16-bit compute halves them
+               share of them; under bf16 compute, what the probe measured under bf16
+               autocast (some activations stay fp32; it also saves bf16 copies of the
+               weights, once per micro-batch in flight), else half the fp32 ones
 ``backward``   the last layer's backward working set (activation gradients, the loss's
-               temporaries) x the samples in flight, on the rank that holds it; not
-               halved by 16-bit compute: at the peak it is the loss's gradient, which
-               losses compute in fp32 (autocast's cross entropy does, ``lm_loss`` too)
+               temporaries) x the samples in flight, plus what does not grow with them
+               (both measured at two batch sizes, and again under bf16 autocast), on the
+               rank that holds it;
+               and where a gradient is taken from autograd into a bucket (DDP, ZeRO-1,
+               ZeRO-2), the one autograd has just made: the largest trainable tensor's
 ``pipeline``   a pipeline stage's receive buffers, one per micro-batch (activations in,
                gradients back: ``batch x boundary bytes`` each way it receives; none
                come back to a stage when it and every layer before it are frozen), and
-               ``T b`` of weight gradients a micro-batch's backward returns before they
-               are added to the accumulated ones (under FSDP, which adds them unit by
-               unit, the largest unit's)
+               the weight gradient a micro-batch's backward makes before autograd adds
+               it to the accumulated ones (the largest tensor's; under FSDP, which adds
+               them unit by unit, the largest unit's)
 ``experts``    with expert parallelism (``ep`` ranks), the expert parameters ``X`` are
                taken out of ``P`` and ``T`` above and counted as ``X / ep`` of
                parameters, gradients and optimizer state on every rank
@@ -47,28 +59,26 @@ parameter, ``s`` the shards of its parameters and ``o`` of its optimizer state:
                gradients. A pipeline stage is sharded layer by layer, and FSDP keeps
                each unit whole after its backward until the last micro-batch's: at the
                peak, in the second micro-batch's backward, ``P b`` gathered
+``step``       the optimizer step's temporaries (``optimizer_memory``: by optimizer and
+               implementation path, from the largest tensor it steps or all of them)
 =============  ==================================================================
 
-The peak is their sum: the terms are those alive at the start of backward, when the
-activations are largest. With FSDP's ``cpu_offload`` the shards of parameters, gradients and
-optimizer state live in host memory: they are reported as ``offloaded`` and left out of the
-device's peak. Example::
+With FSDP's ``cpu_offload`` the shards of parameters, gradients and optimizer state live in
+host memory: they are reported as ``offloaded`` and left out of the device's peak (and the
+step runs there). Example::
 
-    predict_memory(profile, layout, optimizer="adamw")["peak"]
+    terms = predict_memory(profile, layout, optimizer="adamw")
+    terms["peak"], terms["phase"]
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from axon_nb.estimate.optimizer_memory import state_bytes, step_temporaries
 from axon_nb.estimate.profile import LayerProfile, ModelProfile
 from axon_nb.estimate.rank_layout import RankLayout
 
-OPTIMIZER_STATE_BYTES = {
-    "adam": 8, "adamw": 8, "adamax": 8, "nadam": 8, "radam": 8,  # two moments
-    "adagrad": 4, "rmsprop": 4, "sgd": 0,  # one sum or average; SGD: none without momentum
-}  # fmt: skip
-"""Optimizer state bytes per fp32 parameter, by ``train``'s optimizer names."""
 HALF = {"bf16", "fp16"}
 
 
@@ -78,9 +88,12 @@ def predict_memory(
     *,
     optimizer: Any = "adamw",
     mixed_precision: str | None = None,
-) -> dict[str, float]:
-    """Bytes of each term (see the module docstring) and their sum, ``peak``, for one rank.
-    ``optimizer`` as ``train`` takes it (a callable is counted as Adam)."""
+    device_type: str = "cpu",
+) -> dict[str, Any]:
+    """Bytes of each term (see the module docstring) at the moment that holds the peak,
+    their sum ``peak``, that moment's ``phase`` (``backward``, ``step`` or ``pipeline``) and
+    ``offloaded``, for one rank. ``optimizer`` as ``train`` takes it (a callable is counted
+    as AdamW); ``device_type`` chooses the optimizer's default path (``optimizer_memory``)."""
     tp, b = layout.dims.tp, profile.param_bytes
     layers = [profile.layers[i] for i in layout.layers]
     # expert parallelism: the experts are split over ep ranks, the rest as the strategy says
@@ -90,75 +103,140 @@ def predict_memory(
     mine = experts / layout.dims.ep
     fsdp = layout.config.fsdp if layout.kind == "fsdp" else None
     compute = mixed_precision or (fsdp.param_dtype if fsdp is not None else None)
-    half = 0.5 if compute in HALF else 1.0
-    replicated = layout.kind in ("ddp", "zero1")
-    # the loss's gradient and temporaries, in fp32 whatever the compute dtype
-    backward = profile.backward_extra_bytes * layout.micro_samples if layout.last_stage else 0.0
-    gathered_bytes = b if compute not in HALF else 2
-    freed = half * _saved_after_blocks(layers, layout)  # before FSDP gathers in backward
-    terms = {
+    # bf16 compute: under autocast (mixed_precision) as the probe measured it; FSDP's
+    # param_dtype alone computes all in bf16: half the fp32 activations
+    half = compute in HALF
+    autocast = mixed_precision in HALF
+    kind, dp = layout.kind, layout.dims.dp
+    largest = _largest(layers, layout)
+    buckets = trained * b if kind in ("ddp", "zero1") else 0.0
+    # ZeRO-2's largest bucket: a quarter of the model or the cap, at least its largest tensor
+    bucket = max(largest, min(layout.config.bucket_cap_mb * 2**20 / b, trained / 4)) * b
+    # ZeRO-1 gives each rank whole tensors: its share is at least the largest
+    share = max(trained / dp, largest) if kind == "zero1" else trained / layout.optimizer_shards
+    held = {
         "params": local * b / layout.param_shards + mine * b,
-        "optimizer": (trained / layout.optimizer_shards + mine) * state_bytes(optimizer),
-        "buckets": trained * b if replicated else 0.0,
-        "rebuild": trained * b * (2 if layout.config.activation_checkpointing else 1)
-        if replicated
-        else 0.0,
-        "grads": _grads(layout, trained * b) + mine * b,
-        "activations": half * _activations(layers, layout),
-        "backward": backward,
-        "pipeline": _pipeline(profile, layout, _returned_grads(layers, layout, trained * b, b)),
-        "gathered": _gathered(layers, layout, tp, gathered_bytes, freed=freed),
+        "optimizer": (share + mine) * state_bytes(optimizer),
     }
+    # activation gradients and the loss's temporaries
+    backward = 0.0
+    if layout.last_stage:  # (under bf16 compute as the probe measured it there, if it did)
+        measured = autocast and (
+            profile.half_backward_extra_bytes or profile.half_backward_fixed_bytes
+        )
+        backward = (
+            profile.half_backward_extra_bytes * layout.micro_samples
+            + profile.half_backward_fixed_bytes
+            if measured
+            else profile.backward_extra_bytes * layout.micro_samples + profile.backward_fixed_bytes
+        )
+    if kind in ("ddp", "zero1", "zero2"):
+        backward += largest * b  # the gradient autograd just made, before the bucket takes it
+    gathered_bytes = b if compute not in HALF else 2
+    freed = _saved_after_blocks(layers, layout, half, autocast)  # before the blocks' backward
+    in_backward = {
+        **held,
+        "buckets": bucket if kind == "zero2" else buckets,
+        "grads": _grads(layout, (trained + mine) * b, in_backward=True),
+        "activations": _activations(layers, layout, half, measured=autocast)
+        - _head_before_blocks(layers, layout, half, autocast, freed),
+        "backward": backward,
+        "pipeline": _pipeline(profile, layout, _returned_grads(layers, layout, b)),
+        "gathered": _gathered(layers, layout, gathered_bytes, profile.fsdp_units, freed=freed),
+    }
+    stepped = share + mine
+    widest = bucket / b / dp if kind == "zero2" else largest / layout.param_shards
+    at_step = {
+        **held,
+        "buckets": buckets,
+        "grads": _grads(layout, trained * b, in_backward=False) + mine * b,
+        "step": step_temporaries(
+            optimizer, largest=widest * b, total=stepped * b, device_type=device_type
+        ),
+    }
+    # the activations' moment: where the probe saw them peak (with the loss's temporaries, a
+    # model that computes its own loss may peak at the end of forward)
+    held_at = profile.half_working_set_phase if autocast else profile.working_set_phase
+    moments = [(in_backward, "pipeline" if layout.dims.pp > 1 else held_at), (at_step, "step")]
+    if fsdp is not None and not fsdp.reshard_after_forward and layout.dims.pp == 1:
+        whole = [p * gathered_bytes for p, _ in _units(layers, layout, tp, profile.fsdp_units)]
+        moments.append(({**held, "activations": in_backward["activations"],
+                         "gathered": sum(whole) + sum(sorted(whole)[-2:])}, "forward"))  # fmt: skip
     offloaded = 0.0
     if fsdp is not None and fsdp.cpu_offload:
-        # the host keeps the gradient shards, which on the device come only after the peak
-        grads = max(terms["grads"], trained * b / layout.param_shards)
-        offloaded = terms["params"] + grads + terms["optimizer"]
-        terms.update(params=0.0, grads=0.0, optimizer=0.0)
+        # the host keeps the shards and steps them; on the device the gradient shards come
+        # only after the peak
+        grads = max(in_backward["grads"], trained * b / layout.param_shards)
+        offloaded = held["params"] + grads + held["optimizer"]
+        for moment, _ in moments:
+            moment.update(params=0.0, grads=0.0, optimizer=0.0)
+        at_step.clear()
+    terms, phase = max(moments, key=lambda m: sum(m[0].values()))
+    terms = dict(terms)
     terms["peak"] = sum(terms.values())
+    terms["phase"] = phase
     terms["offloaded"] = offloaded
     return terms
 
 
-def state_bytes(optimizer: Any) -> int:
-    """Optimizer state bytes per parameter for ``optimizer`` (a name, ``(name, kwargs)`` or a
-    callable: counted as Adam)."""
-    if callable(optimizer):
-        return 8
-    name, kwargs = (optimizer, {}) if isinstance(optimizer, str) else optimizer
-    if name.lower() not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(
-            f"no optimizer-state size for optimizer {name!r}; use one of "
-            f"{', '.join(OPTIMIZER_STATE_BYTES)}"
-        )
-    extra = 4 if name.lower() in ("sgd", "rmsprop") and (kwargs or {}).get("momentum") else 0
-    return OPTIMIZER_STATE_BYTES[name.lower()] + extra
-
-
-def _activations(layers: list[LayerProfile], layout: RankLayout) -> float:
+def _activations(
+    layers: list[LayerProfile], layout: RankLayout, half: bool, *, measured: bool
+) -> float:
+    """Saved activations of the rank's layers (``half``: under bf16 compute; ``measured``:
+    under autocast, as the probe measured them, with the weight copies autocast saves once
+    per micro-batch in flight, else half the fp32 ones)."""
     tp, every = layout.dims.tp, layout.config.activation_checkpointing
     sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
-    per_sample, rebuilt, block_index = 0.0, 0.0, 0
+    per_sample, rebuilt, block_index, fixed = 0.0, 0.0, 0, 0.0
     previous_output = 0.0
     for layer in layers:
-        saved = layer.local_saved(tp, sequence)
+        saved = _saved(layer, tp, sequence, half, measured)
         if layer.block and every and block_index % every == 0:
-            per_sample += previous_output  # the checkpointed block's input
+            per_sample += previous_output * (0.5 if half else 1.0)  # the block's input
             rebuilt = max(rebuilt, saved)
         else:
             per_sample += saved
+            fixed += layer.local_fixed(tp, half and measured)
         block_index += layer.block
         previous_output = layer.output_bytes
-    return per_sample * layout.samples_in_flight + rebuilt * layout.micro_samples
+    in_flight = layout.samples_in_flight / layout.micro_samples
+    rebuilt *= layout.micro_samples
+    return per_sample * layout.samples_in_flight + rebuilt + fixed * in_flight
 
 
-def _saved_after_blocks(layers: list[LayerProfile], layout: RankLayout) -> float:
+def _saved(layer: LayerProfile, tp: int, sequence: bool, half: bool, measured: bool) -> float:
+    """A layer's saved activations per sample: fp32, or under bf16 compute as measured under
+    autocast (``measured``) or half the fp32 ones."""
+    saved = layer.local_saved(tp, sequence, half and measured)
+    return saved * 0.5 if half and not measured else saved
+
+
+def _head_before_blocks(
+    layers: list[LayerProfile], layout: RankLayout, half: bool, measured: bool, freed: float
+) -> float:
+    """With activation checkpointing, the layers after the blocks (the head) free their saved
+    activations in their backward, before the first block is rebuilt: the two are not alive
+    at once, and the smaller is left out (FSDP's ``gathered`` term already leaves the head's
+    out of its units' moment)."""
+    if not layout.config.activation_checkpointing or layout.kind == "fsdp":
+        return 0.0
+    blocks = [x for x in layers if x.block]
+    sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
+    tp = layout.dims.tp
+    rebuilt = max((_saved(x, tp, sequence, half, measured) for x in blocks), default=0.0)
+    return min(freed, rebuilt * layout.micro_samples)
+
+
+def _saved_after_blocks(
+    layers: list[LayerProfile], layout: RankLayout, half: bool, measured: bool
+) -> float:
     """Saved activations of the layers after the last block (a final norm, the head), which
     their backward frees before the blocks' backward begins."""
     last = max((i for i, layer in enumerate(layers) if layer.block), default=len(layers) - 1)
     sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
     tail = layers[last + 1 :]
-    return sum(x.local_saved(layout.dims.tp, sequence) for x in tail) * layout.samples_in_flight
+    saved = sum(_saved(x, layout.dims.tp, sequence, half, measured) for x in tail)
+    return saved * layout.samples_in_flight
 
 
 def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) -> float:
@@ -175,49 +253,86 @@ def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) ->
     return received + weight_grads
 
 
-def _grads(layout: RankLayout, trained_bytes: float) -> float:
-    """The ``grads`` term: gradients of ``trained_bytes`` of parameters alive at the peak."""
-    if layout.kind == "fsdp" and layout.dims.pp == 1:
-        return 0.0  # each unit's reduce-scatter makes its gradients after its backward: none yet
-    return trained_bytes  # (a pipeline accumulates them whole over its micro-batches)
+def _largest(layers: list[LayerProfile], layout: RankLayout) -> float:
+    """Elements of the largest trainable tensor the rank's data parallelism handles (with
+    expert parallelism, the experts' are not among them), tensor-parallel ones split."""
+    tp, ep = layout.dims.tp, layout.dims.ep
+    return max(
+        ((x.largest_dense_param if ep > 1 else x.largest_param) / (tp if x.tp_params else 1)
+         for x in layers),
+        default=0.0,
+    )  # fmt: skip
 
 
-def _returned_grads(
-    layers: list[LayerProfile], layout: RankLayout, trained_bytes: float, b: int
-) -> float:
-    """Weight gradients a pipeline micro-batch's backward returns before they are added to
-    the accumulated ones: all the stage's ``trained_bytes``, or under FSDP (which adds them
-    unit by unit) the largest unit's."""
+def _grads(layout: RankLayout, trained_bytes: float, *, in_backward: bool) -> float:
+    """The ``grads`` term: gradients of ``trained_bytes`` of parameters alive outside
+    buckets, in backward or at the optimizer step. In backward none yet at the peak, which
+    comes early, where the saved activations are (the moment the gradients are whole is the
+    step's, without its temporaries), except in a pipeline, which accumulates them whole
+    over its micro-batches."""
+    kind = layout.kind
+    if in_backward:
+        return trained_bytes if layout.dims.pp > 1 else 0.0
+    if kind in ("ddp", "zero1"):
+        ddp = layout.config.ddp
+        return 0.0 if ddp is None or ddp.gradient_as_bucket_view else trained_bytes
+    if kind in ("zero2", "fsdp"):
+        return (
+            trained_bytes / layout.param_shards
+            if kind == "fsdp"
+            else trained_bytes / layout.dims.dp
+        )
+    return trained_bytes
+
+
+def _returned_grads(layers: list[LayerProfile], layout: RankLayout, b: int) -> float:
+    """Weight gradients a pipeline micro-batch's backward makes before they are added to the
+    accumulated ones: autograd adds each as it comes (the largest tensor's at most), FSDP
+    unit by unit (the largest unit's)."""
     if layout.kind != "fsdp":
-        return trained_bytes
-    return max(t for _, t in _units(layers, layout, layout.dims.tp)) * b
+        return _largest(layers, layout) * b
+    return max(t for _, t in _units(layers, layout, layout.dims.tp, ())) * b
 
 
-def _units(layers: list[LayerProfile], layout: RankLayout, tp: int) -> list[tuple[float, float]]:
-    """(parameters, trainable parameters) of each FSDP unit: the blocks and the rest, or
-    in a pipeline stage each layer (``parallel.fsdp``); experts stay outside, sharded on
-    their own axis."""
+def _units(
+    layers: list[LayerProfile], layout: RankLayout, tp: int, inner: tuple[tuple[int, int], ...]
+) -> list[tuple[float, float]]:
+    """(parameters, trainable parameters) of each FSDP unit (``parallel.fsdp``): the blocks
+    and the rest; each layer of a pipeline stage or of an ``nn.Sequential`` without blocks;
+    for a model profiled whole, the entries of its ``nn.ModuleList`` s (``inner``) and the
+    rest. Experts stay outside, sharded on their own axis."""
 
     def own(layer: LayerProfile) -> float:
         return layout.experts([layer])
 
-    if layout.dims.pp > 1:
-        return [(x.local_params(tp) - own(x), x.local_trainable(tp) - own(x)) for x in layers]
+    def whole(group: list[LayerProfile]) -> tuple[float, float]:
+        return (sum(x.local_params(tp) - own(x) for x in group),
+                sum(x.local_trainable(tp) - own(x) for x in group))  # fmt: skip
+
     blocks = [layer for layer in layers if layer.block]
-    rest = [layer for layer in layers if not layer.block]
-    units = [(x.local_params(tp) - own(x), x.local_trainable(tp) - own(x)) for x in blocks]
-    units.append((sum(x.local_params(tp) - own(x) for x in rest),
-                  sum(x.local_trainable(tp) - own(x) for x in rest)))  # fmt: skip
-    return units
+    if len(layers) == 1 and inner and layout.dims.pp == 1:
+        params, trained = whole(layers)
+        scale = params / max(1, layers[0].params)  # (tensor parallelism's share)
+        units = [(p * scale, t * scale) for p, t in inner]
+        rest = (params - sum(p for p, _ in units), trained - sum(t for _, t in units))
+        return [*units, (max(0.0, rest[0]), max(0.0, rest[1]))]
+    if layout.dims.pp > 1 or not blocks:
+        return [whole([x]) for x in layers]
+    return [whole([x]) for x in blocks] + [whole([x for x in layers if not x.block])]
 
 
 def _gathered(
-    layers: list[LayerProfile], layout: RankLayout, tp: int, b: int, *, freed: float
+    layers: list[LayerProfile],
+    layout: RankLayout,
+    b: int,
+    inner: tuple[tuple[int, int], ...],
+    *,
+    freed: float,
 ) -> float:
     if layout.kind != "fsdp" or layout.param_shards == 1:
         return 0.0
     assert layout.config.fsdp is not None
-    units = _units(layers, layout, tp)
+    units = _units(layers, layout, layout.dims.tp, inner)
     if layout.dims.pp > 1:  # every unit stays whole after its backward until the last one's
         return sum(p for p, _ in units) * b
     whole = sorted(p for p, _ in units)  # whole copies, beside the shards

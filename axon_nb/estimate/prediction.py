@@ -32,13 +32,20 @@ class Prediction:
         return max(r["memory"]["peak"] for r in self.ranks)
 
     @property
+    def peak_phase(self) -> str:
+        """The phase that holds the largest rank's peak: ``backward``, ``step`` (the
+        optimizer's) or ``pipeline`` (a schedule's interleaved forward and backward)."""
+        return str(max(self.ranks, key=lambda r: r["memory"]["peak"])["memory"]["phase"])
+
+    @property
     def comm_bytes(self) -> float:
         """The busiest rank's bytes per step."""
         return max(sum(r["comm"].values()) for r in self.ranks)
 
     def __str__(self) -> str:
         return (
-            f"{self.strategy}: peak {self.peak_bytes / 2**20:,.1f} MiB per rank, "
+            f"{self.strategy}: peak {self.peak_bytes / 2**20:,.1f} MiB per rank (in "
+            f"{self.peak_phase}), "
             f"{self.comm_bytes / 2**20:,.2f} MiB communicated per step"
         )
 
@@ -53,8 +60,11 @@ def predict(
     grad_accum: int = 1,
     optimizer: Any = "adamw",
     mixed_precision: str | None = None,
+    device_type: str | None = None,
 ) -> Prediction:
-    """Predict ``strategy`` on ``world_size`` ranks training ``batch_size`` samples a step.
+    """Predict ``strategy`` on ``world_size`` ranks training ``batch_size`` samples a step
+    on devices of ``device_type`` (``cpu`` or ``cuda``: the optimizer's default path; by
+    default the profile's).
 
     ``ValueError`` when the strategy cannot run so (the message says why).
     """
@@ -73,7 +83,11 @@ def predict(
         {
             "rank": layout.rank,
             "memory": predict_memory(
-                profile, layout, optimizer=optimizer, mixed_precision=mixed_precision
+                profile,
+                layout,
+                optimizer=optimizer,
+                mixed_precision=mixed_precision,
+                device_type=device_type or profile.device_type,
             ),
             "comm": predict_comm(profile, layout),
         }

@@ -47,6 +47,16 @@ class LayerProfile:
     """Parameters that do not train (``requires_grad=False``, e.g. a LoRA model's base): they
     have no gradients and no optimizer state, and no strategy communicates gradients for
     them."""
+    half_saved_bytes: float = 0.0
+    """Activations autograd keeps per sample under bf16 autocast (0: not measured)."""
+    half_saved_fixed: float = 0.0
+    """What it keeps under bf16 autocast whatever the samples: bf16 copies of its weights."""
+    largest_param: int = 0
+    """Elements of its largest trainable tensor (what a gradient or an optimizer's
+    per-tensor temporary holds at most at once)."""
+    largest_dense_param: int = 0
+    """The same leaving out stacked experts (which expert parallelism splits and data
+    parallelism leaves to it)."""
     tp_frozen: int = 0
     """Of ``frozen``, those a tensor-parallel plan splits."""
     expert_params: int = 0
@@ -68,14 +78,25 @@ class LayerProfile:
         split = self.tp_params - self.tp_frozen
         return self.params - self.frozen - split + split / tp
 
-    def local_saved(self, tp: int, sequence_parallel: bool = False) -> float:
-        """Saved activations per sample on one of ``tp`` tensor-parallel ranks. Sequence
-        parallelism splits the rest of a block's too, except the gathered inputs of its
-        column-parallel linears, which they save whole."""
+    def local_saved(self, tp: int, sequence_parallel: bool = False, half: bool = False) -> float:
+        """Saved activations per sample on one of ``tp`` tensor-parallel ranks (``half``:
+        under bf16 autocast, as measured, else half the fp32 ones). Sequence parallelism
+        splits the rest of a block's too, except the gathered inputs of its column-parallel
+        linears, which they save whole."""
+        saved = self.saved_bytes
+        if half:
+            saved = self.half_saved_bytes or self.saved_bytes / 2
         if sequence_parallel and self.block and tp > 1:
-            whole = min(self.colwise_group_bytes, self.saved_bytes)
-            return (self.saved_bytes - whole) / tp + whole
-        return self.saved_bytes * (1 - self.split_fraction + self.split_fraction / tp)
+            whole = min(self.colwise_group_bytes, saved)
+            return (saved - whole) / tp + whole
+        return saved * (1 - self.split_fraction + self.split_fraction / tp)
+
+    def local_fixed(self, tp: int, half: bool) -> float:
+        """What it saves whatever the samples (under bf16 autocast: copies of its weights),
+        on one of ``tp`` tensor-parallel ranks."""
+        if not half:
+            return 0.0
+        return self.half_saved_fixed * (1 - self.split_fraction + self.split_fraction / tp)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,11 +110,29 @@ class ModelProfile:
     """Per sample: the bytes alive at the probe's peak (the start of backward) beyond the saved
     activations, the parameter gradients alive then and the parameters themselves: activation
     gradients and the loss's temporaries, which grow with the samples."""
+    backward_fixed_bytes: float = 0.0
+    """The part of that working set that does not grow with the samples (measured at two
+    batch sizes): e.g. a stacked experts weight's gradient pieces before they are summed."""
+    half_backward_extra_bytes: float = 0.0
+    """``backward_extra_bytes`` under bf16 autocast (0: not measured)."""
+    half_backward_fixed_bytes: float = 0.0
+    """``backward_fixed_bytes`` under bf16 autocast."""
+    working_set_phase: str = "backward"
+    """Where the probe's activations and working set peaked: ``backward``, or ``forward``
+    for a model whose own loss's temporaries outgrow the backward's."""
+    half_working_set_phase: str = "backward"
+    """The same under bf16 autocast."""
     flops: float = 0.0
     """Training FLOPs per sample: forward 2, backward 2 (activation gradients) and 2 more for
     each trainable parameter's gradient, x parameters x tokens (6 x parameters x tokens when
     all of them train)."""
     tokens_per_sample: float = 1.0
+    fsdp_units: tuple[tuple[int, int], ...] = ()
+    """For a model profiled whole (one layer): (parameters, trainable parameters) of each
+    entry of its ``nn.ModuleList`` s, the units FSDP shards and gathers on their own."""
+    device_type: str = "cpu"
+    """The device the model trains on (``cuda`` on a GPU cluster): optimizers choose their
+    default implementation by it."""
 
     @property
     def params(self) -> int:
@@ -121,6 +160,13 @@ class ModelProfile:
             layers=layers,
             param_bytes=int(data.get("param_bytes", 4)),
             backward_extra_bytes=float(data.get("backward_extra_bytes", 0.0)),
+            backward_fixed_bytes=float(data.get("backward_fixed_bytes", 0.0)),
+            half_backward_extra_bytes=float(data.get("half_backward_extra_bytes", 0.0)),
+            half_backward_fixed_bytes=float(data.get("half_backward_fixed_bytes", 0.0)),
+            working_set_phase=str(data.get("working_set_phase", "backward")),
+            half_working_set_phase=str(data.get("half_working_set_phase", "backward")),
             flops=float(data.get("flops", 0.0)),
             tokens_per_sample=float(data.get("tokens_per_sample", 1.0)),
+            fsdp_units=tuple((int(p), int(t)) for p, t in data.get("fsdp_units", ())),
+            device_type=str(data.get("device_type", "cpu")),
         )

@@ -118,26 +118,26 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     params = list(inspect.signature(fn).parameters)
     at = params.index("group") if "group" in params else None  # found once, not per call
     payload = None if name in _NO_BYTES else Payload(name, fn)
-    kind = KINDS.get(name)  # measured for the meter (None: recorded only)
+    measure = payload is not None and name in KINDS  # for the meter (else: recorded only)
+    kind = KINDS.get(name, name)
 
     @functools.wraps(fn)
     def tracked(*args: Any, **kwargs: Any) -> Any:
-        meter = _meter
-        if meter is not None and kind is not None and payload is not None:
-            return _measured(meter, kind, payload.nbytes(args, kwargs), _recorded, args, kwargs)
-        return _recorded(*args, **kwargs)
-
-    def _recorded(*args: Any, **kwargs: Any) -> Any:
         global _last, _seq
-        if getattr(_local, "inside", False):  # inside another collective: it is the record
+        meter = _meter if measure else None
+        inside = getattr(_local, "inside", False)
+        if inside and meter is None:
             return fn(*args, **kwargs)
+        nbytes = payload.nbytes(args, kwargs) if payload is not None else None
+        if inside:  # inside another collective: measured, but the outer one is the record
+            return _measured(meter, kind, nbytes or 0, fn, args, kwargs)
         _seq += 1
         group = kwargs.get("group")
         if group is None and at is not None and len(args) > at:
             group = args[at]
-        nbytes = payload.nbytes(args, kwargs) if payload is not None else None
         record = _Record(name, _seq, group, nbytes, _peer(name, args, kwargs))
         _last = record
+        start = time.perf_counter()
         _local.inside = True
         try:
             work = fn(*args, **kwargs)
@@ -147,9 +147,14 @@ def _wrap(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _local.inside = False
             record.end = time.monotonic()
-        if work is not None:  # async_op=True, isend/irecv, batch_isend_irecv: pending work
-            _track_async(record, work[-1] if isinstance(work, list) and work else work)
-        return work
+        if meter is not None:
+            meter.launched(kind, nbytes or 0)
+        if work is None:  # done: the meter's time is now
+            if meter is not None:
+                meter.finished(kind, time.perf_counter() - start)
+            return work
+        # async_op=True, isend/irecv, batch_isend_irecv: pending work
+        return _follow(work, record, meter, kind, start)
 
     return tracked
 
@@ -171,18 +176,48 @@ def _wrap_functional(kind: str, payload: Payload, fn: Callable[..., Any]) -> Cal
 def _measured(
     meter: Any, kind: str, nbytes: int, call: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
-    """``call(*args, **kwargs)``, reported to ``meter`` when its result is ready: at once, or
-    (``async_op=True``) when its work's future completes."""
+    """``call(*args, **kwargs)`` measured for ``meter``: its bytes and count once it returns,
+    its time when its result is ready (at once, or when its work completes)."""
     start = time.perf_counter()
     work = call(*args, **kwargs)
-    if work is None or not hasattr(work, "get_future"):
-        meter.add(kind, nbytes, time.perf_counter() - start)
+    meter.launched(kind, nbytes)
+    if work is None or not hasattr(work, "get_future"):  # (a functional one's tensor)
+        meter.finished(kind, time.perf_counter() - start)
         return work
-    done = lambda *_: meter.add(kind, nbytes, time.perf_counter() - start)  # noqa: E731
+    return _follow(work, None, meter, kind, start)
+
+
+def _follow(work: Any, record: _Record | None, meter: Any, kind: str, start: float) -> Any:
+    """``work``, with the ``record``'s end and the ``meter``'s time set when it completes: by
+    one callback on its future (each one a trip through the interpreter's lock from a gloo or
+    NCCL thread), else when it is waited for (gloo's reduce-scatter has no future)."""
+    last = work[-1] if isinstance(work, list) and work else work
+    if not hasattr(last, "wait"):
+        if meter is not None:
+            meter.finished(kind, time.perf_counter() - start)
+        return work
+    if record is not None:
+        record.async_op = True
     try:
-        work.get_future().add_done_callback(done)
-    except RuntimeError:  # gloo's reduce-scatter work has no future: time its wait()
-        return _TimedWork(work, done)
+        future = last.get_future()
+    except AttributeError:  # not a Work: the record takes it as done, and so does the meter
+        if meter is not None:
+            meter.finished(kind, time.perf_counter() - start)
+        return work
+    except RuntimeError:  # no future (gloo's reduce-scatter): the record takes it as done
+        if meter is None:
+            return work
+        return _TimedWork(work, lambda: meter.finished(kind, time.perf_counter() - start))
+    if record is not None:
+        record.end = None
+
+    def done(_: Any) -> None:
+        if record is not None:
+            record.end = time.monotonic()
+        if meter is not None:
+            meter.finished(kind, time.perf_counter() - start)
+
+    future.add_done_callback(done)
     return work
 
 
@@ -201,19 +236,6 @@ class _TimedWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
-
-
-def _track_async(record: _Record, work: Any) -> None:
-    """An ``async_op=True`` call returns at once; it is done when its work's future is."""
-    if not hasattr(work, "wait"):
-        return
-    record.async_op = True
-    try:
-        future = work.get_future()
-    except (AttributeError, RuntimeError):  # gloo's reduce-scatter: unknown, taken as done
-        return
-    record.end = None
-    future.add_done_callback(lambda _: setattr(record, "end", time.monotonic()))
 
 
 _NO_BYTES = frozenset(name for name in TRACKED if "object" in name or "barrier" in name) | {

@@ -9,12 +9,14 @@ modules, so their traffic is counted as it happens, not from a formula.
 
 What the figures mean:
 
-- ``bytes``: the payload this rank hands to the collective (its input tensor, or the list's
-  total); for ``all_gather`` the input shard, for ``recv`` the receive buffer.
-- ``time_s``: wall time from the call until its result is ready. For ``async_op=True`` calls
-  (DDP's buckets) that is until the work's future completes, so it includes time queued
-  behind earlier buckets and overlaps backward compute. Functional collectives return before
-  their result is waited for: their time is the launch only.
+- ``bytes`` and ``count``: the payload this rank hands to the collective (its input tensor,
+  or the list's total; for ``all_gather`` the input shard, for ``recv`` the receive buffer),
+  counted as soon as the call returns, so a step's figures hold every collective it started,
+  whether or not it has finished (the loop's agreement of a step finishes during the next).
+- ``time_s``: wall time from the call until its result is ready, counted when it is ready.
+  For ``async_op=True`` calls (DDP's buckets) that is until the work's future completes, so it
+  includes time queued behind earlier buckets and overlaps backward compute. Functional
+  collectives return before their result is waited for: their time is the launch only.
 - Code compiled by ``torch.compile`` calls the collective ops directly: not counted.
 """
 
@@ -39,13 +41,24 @@ class CommMeter:
         self._lifetime: dict[str, list[float]] = {}
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
-        """Record one finished collective (called from gloo/NCCL completion threads too)."""
+        """Record one finished collective: :meth:`launched` and :meth:`finished` at once."""
+        self.launched(kind, nbytes)
+        self.finished(kind, seconds)
+
+    def launched(self, kind: str, nbytes: int) -> None:
+        """Count one collective's call and payload, once it has been started."""
         with self._lock:
             for table in (self._totals, self._lifetime):
                 row = table.setdefault(kind, [0, 0.0, 0])
                 row[0] += nbytes
-                row[1] += seconds
                 row[2] += 1
+
+    def finished(self, kind: str, seconds: float) -> None:
+        """Add the time a collective took once its result is ready (called from gloo/NCCL
+        completion threads too)."""
+        with self._lock:
+            for table in (self._totals, self._lifetime):
+                table.setdefault(kind, [0, 0.0, 0])[1] += seconds
 
     def take(self) -> dict[str, dict[str, float]]:
         """Figures since the last ``take`` as ``{kind: {bytes, time_s, count}}``; resets them."""

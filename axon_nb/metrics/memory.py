@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from axon_nb.metrics.peak import PeakTracker
+
 
 def tensor_bytes(tensors: Iterable[Any]) -> int:
     """Bytes of this rank's storage for ``tensors`` (local shards of DTensors; shared once)."""
@@ -73,7 +75,36 @@ def snapshot(
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes this rank holds between steps: model state plus the gradient buckets of every
     ``DistributedDataParallel`` in ``model`` (allocated once, when DDP wraps the model)."""
-    return sum(model_state(model, optimizer).values()) + ddp_bucket_bytes(model)
+    return sum(held_parts(model, optimizer).values())
+
+
+def held_parts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """:func:`held_bytes` by part: ``params``, ``grads``, ``optimizer state``, ``buckets``."""
+    state = model_state(model, optimizer)
+    return {
+        "params": state["param_bytes"],
+        "grads": state["grad_bytes"],
+        "optimizer state": state["optimizer_bytes"],
+        "buckets": ddp_bucket_bytes(model),
+    }
+
+
+def peak_parts(
+    tracker: PeakTracker, held: dict[str, int], model: nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """What a tracked step's peak was made of: ``peak_phase`` (``forward``, ``backward``,
+    ``step`` or ``pipeline``) and ``peak_parts``, bytes by part: the ``held`` parts at the
+    step's start plus what the tracker saw alive at its peak (gradients and optimizer state
+    made in the step are known by the tensors they are now). Call it before ``zero_grad``."""
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    for p in [*model.parameters(), *stepped]:
+        tracker.label(p.grad, "grads")
+    for tensor in optimizer_tensors(optimizer):
+        tracker.label(tensor, "optimizer state")
+    parts = dict(held)
+    for kind, nbytes in tracker.breakdown().items():
+        parts[kind] = parts.get(kind, 0) + nbytes
+    return {"peak_phase": tracker.peak_phase, "peak_parts": {k: v for k, v in parts.items() if v}}
 
 
 def ddp_bucket_bytes(model: nn.Module) -> int:

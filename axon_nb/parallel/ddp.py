@@ -36,6 +36,7 @@ def apply_ddp(
         bucket_cap_mb=config.bucket_cap_mb,
         find_unused_parameters=config.find_unused_parameters,
         static_graph=config.static_graph,
+        gradient_as_bucket_view=config.gradient_as_bucket_view,
     )
     if local_sgd is not None:
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local

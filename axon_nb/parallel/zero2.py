@@ -5,12 +5,17 @@ is built here from ``torch.distributed`` collectives:
 
 - Parameters are packed into flat buckets of about ``bucket_cap_mb``, in reverse registration
   order (roughly the order backward produces gradients), and each parameter becomes a view
-  into its bucket. A bucket is padded to a multiple of the world size; rank r owns the r-th
-  contiguous slice of every bucket.
-- In backward, as soon as every parameter of a bucket has its gradient, the bucket's gradients
-  are reduce-scattered (asynchronously): rank r receives the sum over ranks of its slice. The
-  full gradients are dropped right away, so between backward and the optimizer step a rank
-  holds only its 1/N of the gradients.
+  into its bucket. A model smaller than ``MIN_BUCKETS`` buckets gets smaller ones (a quarter of
+  its trainable bytes each, a parameter never split), so its gradients never all exist at
+  once. A bucket is padded to a multiple of the world size; rank r owns the r-th contiguous
+  slice of every bucket.
+- In backward each gradient, as autograd makes it, is copied into its bucket's flat gradient
+  buffer (made when the bucket's first gradient arrives) and dropped. When every parameter of
+  a bucket has its gradient the buffer is reduce-scattered (asynchronously): rank r receives
+  the sum over ranks of its slice. Before the next buffer is made, the reduce-scatter in
+  flight is waited for and its buffer freed, so backward holds at most one bucket of whole
+  gradients (and the one gradient being copied) besides this rank's slices: the ZeRO paper's
+  parameters + gradients/N + optimizer state/N, plus a bucket.
 - The optimizer sees one parameter per bucket: this rank's slice, a view into the bucket (so
   updating it updates the model's parameters in place), with the averaged gradient shard as
   its ``.grad``. After each optimizer step every bucket is all-gathered from the slices.
@@ -31,8 +36,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from axon_nb.metrics.peak import attributed
 from axon_nb.parallel.optim_state import by_index, settings
 from axon_nb.parallel.param_groups import check_built
+
+MIN_BUCKETS = 4
+"""A model is split into at least this many buckets (where its parameters allow)."""
 
 
 class _Bucket:
@@ -53,6 +62,8 @@ class _Bucket:
             self.offsets.append(offset)
             offset += p.numel()
         self.params = params
+        self.grads: torch.Tensor | None = None
+        """The flat gradients being gathered for the reduce-scatter, during backward."""
         width = self.size // world_size
         self.slice = slice(rank * width, (rank + 1) * width)
         self.shard = nn.Parameter(self.flat[self.slice])  # shares the bucket's storage
@@ -86,18 +97,18 @@ class GradShardedModel(nn.Module):
         rank = dist.get_rank(group)
         if param_groups is None:
             param_groups = [[p for p in module.parameters() if p.requires_grad]]
-        cap = int(bucket_cap_mb * 2**20)
+        cap = bucket_cap(param_groups, bucket_cap_mb)
         self.buckets = [
             bucket
             for index, params in enumerate(param_groups)
             for bucket in _pack(params, rank, self.world_size, cap, index)
         ]
         self.require_sync = True
-        self._pending: list[tuple[Any, torch.Tensor, _Bucket]] = []
+        self._pending: list[tuple[Any, torch.Tensor, _Bucket, torch.Tensor]] = []
         self._reduced: set[int] = set()
         for index, bucket in enumerate(self.buckets):
-            for p in bucket.params:
-                p.register_post_accumulate_grad_hook(self._hook(index))
+            for position, p in enumerate(bucket.params):
+                p.register_post_accumulate_grad_hook(self._hook(index, position))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -127,11 +138,19 @@ class GradShardedModel(nn.Module):
         finally:
             self.require_sync = True
 
-    def _hook(self, index: int) -> Any:
+    def _hook(self, index: int, position: int) -> Any:
         def on_grad(param: torch.Tensor) -> None:
             if not self.require_sync:
                 return
             bucket = self.buckets[index]
+            if bucket.grads is None:
+                self._drain()  # the reduce-scatter in flight ends before another buffer exists
+                with attributed("buckets"):
+                    bucket.grads = param.new_zeros(bucket.size)
+            offset = bucket.offsets[position]
+            assert param.grad is not None
+            bucket.grads[offset : offset + param.numel()].copy_(param.grad.reshape(-1))
+            param.grad = None  # the whole gradient goes; its copy is in the bucket's buffer
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 self._reduce(index)
@@ -140,32 +159,38 @@ class GradShardedModel(nn.Module):
 
     def _reduce(self, index: int) -> None:
         bucket = self.buckets[index]
-        bucket.ready = 0
+        flat = bucket.grads if bucket.grads is not None else bucket.flat.new_zeros(bucket.size)
+        bucket.ready, bucket.grads = 0, None
         self._reduced.add(index)
-        grads = [
-            p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).reshape(-1)
-            for p in bucket.params
-        ]
-        padding = bucket.size - sum(g.numel() for g in grads)
-        flat = torch.cat([*grads, grads[0].new_zeros(padding)])
-        for p in bucket.params:
-            p.grad = None  # the full gradients go; only this rank's slice stays
+        # gradients the hooks did not take: accumulated under no_sync by a parameter the last
+        # micro-batch did not use
+        for p, offset in zip(bucket.params, bucket.offsets, strict=True):
+            if p.grad is not None:
+                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
         out = torch.empty_like(bucket.shard)
         work = _reduce_scatter()(out, flat, group=self.group, async_op=True)
-        self._pending.append((work, out, bucket))
+        self._pending.append((work, out, bucket, flat))
 
-    def finish_backward(self) -> None:
-        """Reduce what the hooks did not (buckets without gradients) and wait for every
-        reduce-scatter; afterwards each bucket's ``shard.grad`` holds the averaged gradient."""
-        for index in range(len(self.buckets)):
-            if index not in self._reduced:
-                self._reduce(index)
-        for work, out, bucket in self._pending:
+    def _drain(self) -> None:
+        """Wait for the reduce-scatters in flight, add their results to the slices' ``.grad``
+        and free their buffers."""
+        for work, out, bucket, _ in self._pending:
             work.wait()
             out.div_(self.world_size)
             shard = bucket.shard
             shard.grad = out if shard.grad is None else shard.grad.add_(out)
         self._pending.clear()
+
+    def finish_backward(self) -> None:
+        """Reduce what the hooks did not (buckets some of whose parameters got no gradient)
+        and wait for every reduce-scatter; afterwards each bucket's ``shard.grad`` holds the
+        averaged gradient."""
+        for index in range(len(self.buckets)):
+            if index not in self._reduced:
+                self._drain()
+                self._reduce(index)
+        self._drain()
         self._reduced.clear()
 
     def gather(self) -> None:
@@ -233,6 +258,13 @@ class GradShardedModel(nn.Module):
                 ],
             }
         )
+
+
+def bucket_cap(param_groups: list[list[nn.Parameter]], bucket_cap_mb: float) -> int:
+    """Bytes a bucket may hold: ``bucket_cap_mb``, or for a smaller model a
+    ``MIN_BUCKETS``-th of its trainable bytes."""
+    total = sum(p.numel() * p.element_size() for params in param_groups for p in params)
+    return max(1, min(int(bucket_cap_mb * 2**20), total // MIN_BUCKETS))
 
 
 def _pack(

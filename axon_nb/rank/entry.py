@@ -184,10 +184,12 @@ def rank_status() -> dict[str, Any]:
 
 
 def profile_model(model: Any, data: Any, loss: Any, samples: int) -> dict[str, Any]:
-    """One probe forward and backward of ``model`` (``Cluster.profile``)."""
+    """One probe forward and backward of ``model`` (``Cluster.profile``), and the type of
+    this rank's device (the optimizer's default path depends on it)."""
     from axon_nb.rank.observe.model_probe import profile_from
+    from axon_nb.rank.runtime import context
 
-    return profile_from(model, data, loss, samples)
+    return {**profile_from(model, data, loss, samples), "device_type": context().device.type}
 
 
 def measure_collectives(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:

@@ -42,6 +42,8 @@ class DDPConfig:
     """Rank of PowerSGD's low-rank approximation."""
     powersgd_start_step: int = 10
     """Steps of plain all-reduce before PowerSGD starts compressing."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into DDP's buckets (no second copy of them)."""
 
     def problems(self) -> list[str]:
         errors = []
@@ -51,6 +53,9 @@ class DDPConfig:
             )
         if not _number(self.bucket_cap_mb) or not self.bucket_cap_mb > 0:
             errors.append(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb!r}")
+        for option in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view"):
+            if not isinstance(getattr(self, option), bool):
+                errors.append(f"{option} must be True or False, got {getattr(self, option)!r}")
         if not positive(self.powersgd_rank):
             errors.append(f"powersgd_rank must be an integer >= 1, got {self.powersgd_rank!r}")
         if not positive(self.powersgd_start_step) or self.powersgd_start_step < 2:

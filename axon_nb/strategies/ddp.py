@@ -37,6 +37,9 @@ class DDP(Strategy):
     """Rank of PowerSGD's low-rank approximation (higher is more accurate, more bytes)."""
     powersgd_start_step: int = 10
     """Steps of plain all-reduce before PowerSGD starts compressing (PowerSGD's warm start)."""
+    gradient_as_bucket_view: bool = True
+    """Gradients are views into DDP's communication buckets, so they exist once, not twice
+    (DDP's ``gradient_as_bucket_view``); ``False`` keeps a separate copy."""
 
     def problems(self) -> list[str]:
         return [*Strategy.problems(self), *self._ddp().problems()]
@@ -59,4 +62,5 @@ class DDP(Strategy):
             comm_hook=self.comm_hook,
             powersgd_rank=self.powersgd_rank,
             powersgd_start_step=self.powersgd_start_step,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
         )

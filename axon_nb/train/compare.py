@@ -38,8 +38,10 @@ class Comparison:
     ``peak_bytes`` (the largest rank's), ``comm_bytes_per_step`` (the busiest rank's) and
     ``comm_time_share`` (of the step time, rank 0), ``loss`` (the last), and the predictions
     ``predicted_peak_bytes`` and ``predicted_comm_bytes`` (None where there is none, and then
-    ``prediction_note`` says why, also in the table's status column); a table in the notebook
-    and as text."""
+    ``prediction_note`` says why, also in the table's status column); ``peak_phase`` and
+    ``predicted_peak_phase``: the phase that held (or is predicted to hold) the peak
+    (``forward``, ``backward``, ``step`` or ``pipeline``; None where unknown, as on GPUs).
+    A table in the notebook and as text."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -55,15 +57,21 @@ HEAD = ("strategy", "samples/s", "peak memory", "predicted", "comm/step", "predi
 
 
 def _cells(r: dict[str, Any]) -> tuple[str, ...]:
-    predicted = (_mib(r.get("predicted_peak_bytes"), 1), _mib(r.get("predicted_comm_bytes"), 2))
+    peak = _mib(r.get("predicted_peak_bytes"), 1) + _phase(r.get("predicted_peak_phase"))
+    predicted = (peak, _mib(r.get("predicted_comm_bytes"), 2))
     status = "; ".join(s for s in (r["status"], r.get("prediction_note")) if s)
     if r["status"] != "ok":
         return (r["strategy"], "", "", predicted[0], "", predicted[1], "", "", status)
     return (
-        r["strategy"], f"{r['samples_per_s']:,.0f}", _mib(r["peak_bytes"], 1), predicted[0],
+        r["strategy"], f"{r['samples_per_s']:,.0f}",
+        _mib(r["peak_bytes"], 1) + _phase(r.get("peak_phase")), predicted[0],
         _mib(r["comm_bytes_per_step"], 2), predicted[1], f"{100 * r['comm_time_share']:.0f}%",
         f"{r['loss']:.4f}", status,
     )  # fmt: skip
+
+
+def _phase(phase: str | None) -> str:
+    return f" ({phase})" if phase else ""
 
 
 def _mib(value: float | None, digits: int) -> str:
@@ -154,6 +162,9 @@ def _figures(result: Any, warmup: int) -> dict[str, Any]:
     return {
         "samples_per_s": statistics.median(h["samples_per_s"] for h in measured),
         "peak_bytes": max(int(m.get("peak_bytes", 0)) for m in result.memory),
+        "peak_phase": max(result.memory, key=lambda m: int(m.get("peak_bytes", 0))).get(
+            "peak_phase"
+        ),
         "comm_bytes_per_step": max(
             statistics.mean(h["per_rank"]["comm_bytes"][rank] for h in measured)
             for rank in range(len(measured[0]["per_rank"]["comm_bytes"]))
@@ -180,7 +191,7 @@ def _predicted(
     from axon_nb.estimate import predict
 
     if profile is None:
-        return {"predicted_peak_bytes": None, "predicted_comm_bytes": None}
+        return {"predicted_peak_bytes": None, "predicted_comm_bytes": None}  # (no phase)
     try:
         p = predict(
             profile, strategy, world_size=world, batch_size=train["batch_size"],
@@ -194,7 +205,11 @@ def _predicted(
             "predicted_comm_bytes": None,
             "prediction_note": f"no prediction: {_first_line(e)}",
         }
-    return {"predicted_peak_bytes": p.peak_bytes, "predicted_comm_bytes": p.comm_bytes}
+    return {
+        "predicted_peak_bytes": p.peak_bytes,
+        "predicted_peak_phase": p.peak_phase,
+        "predicted_comm_bytes": p.comm_bytes,
+    }
 
 
 def _first_line(e: BaseException) -> str:

@@ -215,7 +215,7 @@ function render({ model, el: root }) {
         el("div", { class: "axon-bar-held", style: `width:${(100 * (r.held || 0)) / top}%` }),
       ]),
       el("span", { class: "axon-value" }, [
-        `${bytes(r.held)} (peak ${bytes(r.peak)})` +
+        `${bytes(r.held)} (peak ${bytes(r.peak)}${r.peak_phase ? ` in ${r.peak_phase}` : ""})` +
           (r.cuda_reserved != null ? ` · reserved ${bytes(r.cuda_reserved)}` : "") +
           (r.gpu_util != null
             ? ` · util ${r.gpu_util}% · memory bandwidth ${r.memory_bw_util}%` : "") +

@@ -267,7 +267,8 @@ def _memory_chart(rows: list[dict[str, Any]]) -> str:
     top = max([1, *(max(r.get("peak") or 0, r.get("held") or 0) for r in rows)])
     bars = []
     for r in rows:
-        text = f"{_bytes(r.get('held'))} (peak {_bytes(r.get('peak'))})"
+        phase = f" in {r['peak_phase']}" if r.get("peak_phase") else ""
+        text = f"{_bytes(r.get('held'))} (peak {_bytes(r.get('peak'))}{phase})"
         if r.get("cuda_reserved") is not None:
             text += f" · reserved {_bytes(r['cuda_reserved'])}"
         if r.get("gpu_util") is not None:

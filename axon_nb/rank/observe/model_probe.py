@@ -27,10 +27,8 @@ each layer it records:
 And for the whole model: ``backward_extra_bytes`` per sample, the bytes alive at the peak of
 forward and backward beyond the saved activations, the parameter gradients alive then (none
 when the peak comes at the start of backward, as it does when the loss's gradient is the
-largest; a frozen parameter never has one) and the parameters' own storage (an operator that
-returns a view of a parameter, such as a ``Linear``'s transposed weight, shows its bytes to
-the tracker, but they do not grow with the samples): the gradients of activations and the
-loss's temporaries. And ``flops`` per sample ((4 x parameters + 2 x trainable
+largest; a frozen parameter never has one): the gradients of activations and the loss's
+temporaries. And ``flops`` per sample ((4 x parameters + 2 x trainable
 parameters) x tokens: frozen weights get no gradient; 6 x parameters x tokens when all train;
 tokens are the samples where no token count is known).
 
@@ -41,14 +39,15 @@ Example (on a rank, or in any process with torch)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from axon_nb.metrics.peak import PeakTracker
+from axon_nb.metrics.peak import PeakTracker, mark_phase
 from axon_nb.parallel.expert_plan import stacked_experts
+from axon_nb.rank.observe.probe_passes import head, measure_pass, saved_counter, split_fixed
 from axon_nb.spec.pretrained_model import PretrainedModel
 
 
@@ -62,22 +61,13 @@ def profile_model(
     samples = _samples(inputs)
     layers = _layers(model)
     plan = _plan(model)
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
     names = {id(m): n for n, m in model.named_modules()}
     split = [model.get_submodule(name) for name in plan]
     rows = [_layer_row(layer, names, split) for layer in layers]
     listed = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
     for layer, row in zip(layers, rows, strict=True):
         row["block"] = any(layer is m for m in listed)
-    saved: list[dict[int, int]] = [{} for _ in layers]
-    current = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in param_ptrs and storage.nbytes():
-            saved[current[0]].setdefault(storage.data_ptr(), storage.nbytes())
-        return t
-
+    saved, current, pack = saved_counter(model, len(layers))
     hooks = []
     for i, (layer, row) in enumerate(zip(layers, rows, strict=True)):
         hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i)))
@@ -97,15 +87,17 @@ def profile_model(
     hooks += tracker.gradient_hooks()
     try:
         with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            mark_phase("forward")
             loss = _forward(model, layers, inputs, target, loss_fn)
+            mark_phase("backward")
             loss.float().sum().backward()
     finally:
         for hook in hooks:
             hook.remove()
     model.zero_grad(set_to_none=True)
-    saved_total = sum(sum(s.values()) for s in saved)
+    saved_total = sum(saved)
     for row, layer_saved in zip(rows, saved, strict=True):
-        row["saved_bytes"] = sum(layer_saved.values()) / samples
+        row["saved_bytes"] = layer_saved / samples
         for key in (
             "output_bytes",
             "colwise_in_bytes",
@@ -116,6 +108,33 @@ def profile_model(
             row[key] = row[key] / samples
     if plan:
         _measure_split(model, layers, rows, inputs, target, loss_fn, plan)
+    # The working set beyond the saved activations, measured at two batch sizes: the part
+    # that grows with the samples (activation gradients, the loss's temporaries) and the part
+    # that does not (a stacked experts weight's gradient pieces before they are summed). And
+    # all of it again under bf16 autocast, which keeps some activations in fp32 and saves
+    # bf16 copies of the weights.
+    peak, phase = tracker.moment_excluding("grads")
+    extra = peak - saved_total
+    per_sample, fixed = max(0, extra) / samples, 0.0
+    half_extra: tuple[float, float] = (0.0, 0.0)
+    half_phase = phase
+    if samples >= 2:
+        fewer = samples // 2
+        small = (head(inputs, fewer), head(target, fewer))
+        saved_small, peak_small, _ = measure_pass(model, layers, *small, loss_fn, forward=_forward)
+        per_sample, fixed = split_fixed(extra, peak_small - sum(saved_small), samples, fewer)
+        bf16 = torch.bfloat16
+        full_h, peak_h, half_phase = measure_pass(
+            model, layers, inputs, target, loss_fn, forward=_forward, dtype=bf16
+        )
+        small_h, peak_small_h, _ = measure_pass(
+            model, layers, *small, loss_fn, forward=_forward, dtype=bf16
+        )
+        for row, big, little in zip(rows, full_h, small_h, strict=True):
+            row["half_saved_bytes"], row["half_saved_fixed"] = split_fixed(
+                big, little, samples, fewer
+            )
+        half_extra = split_fixed(peak_h - sum(full_h), peak_small_h - sum(small_h), samples, fewer)
     # FLOPs count the parameters a token meets: of a mixture of experts, its top_k experts
     idle = sum(sum(r.pop("_idle", {}).values()) for r in rows)
     params = sum(r["params"] for r in rows) - idle
@@ -124,54 +143,41 @@ def profile_model(
     return {
         "layers": rows,
         "param_bytes": _param_bytes(model),
-        "backward_extra_bytes": max(0, tracker.peak - saved_total - tracker.not_extra) / samples,
+        "backward_extra_bytes": per_sample,
+        "backward_fixed_bytes": fixed,
+        "half_backward_extra_bytes": half_extra[0],
+        "half_backward_fixed_bytes": half_extra[1],
+        "working_set_phase": phase,
+        "half_working_set_phase": half_phase,
         "flops": (4 * params + 2 * trainable) * tokens,
         "tokens_per_sample": tokens,
+        "fsdp_units": _fsdp_units(model) if layers == [model] else [],
         "probe_samples": samples,
     }
 
 
 class _ProbeTracker(PeakTracker):
-    """``PeakTracker`` that also knows, at its peak, the bytes of parameter gradients alive and
-    of the parameters' own storage it counted (a view of a parameter, such as a ``Linear``'s
-    transposed weight, is counted at its parameter's size, once): ``not_extra``, their sum,
-    is what ``backward_extra_bytes`` leaves out of the peak besides the saved activations."""
+    """``PeakTracker`` that labels each parameter gradient as autograd accumulates it, so the
+    peak of everything else (:meth:`PeakTracker.peak_excluding`) leaves them out: what
+    ``backward_extra_bytes`` measures beside the saved activations. (The parameters
+    themselves are not counted: views of them, such as a ``Linear``'s transposed weight, are
+    no new storage.)"""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        self.not_extra = 0
         self._model = model
-        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self._viewed: set[int] = set()
-        self._views = 0
-        self._grads = 0
 
     def gradient_hooks(self) -> list[Any]:
-        """Hooks (to remove afterwards) that count each gradient once it is accumulated."""
+        """Hooks (to remove afterwards) that label each gradient once it is accumulated."""
 
         def accumulated(param: nn.Parameter) -> None:
-            assert param.grad is not None
-            self._grads += param.grad.untyped_storage().nbytes()
+            self.label(param.grad, "grads")
 
         return [
             p.register_post_accumulate_grad_hook(accumulated)
             for p in self._model.parameters()
             if p.requires_grad
         ]
-
-    def _track(self, tensor: torch.Tensor) -> None:
-        try:
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # no real storage (a wrapper subclass)
-            key = 0
-        if key in self._params and key not in self._viewed:
-            self._viewed.add(key)
-            self._views += storage.nbytes()
-        peak = self.peak
-        super()._track(tensor)
-        if self.peak > peak:
-            self.not_extra = self._views + self._grads
 
 
 def _measure_split(
@@ -200,18 +206,7 @@ def _measure_split(
             mine.requires_grad_(theirs.requires_grad)  # a frozen layer saves less for backward
         setattr(holder, child, new)
     narrow_layers = _layers(narrow)
-    saved = [0] * len(narrow_layers)
-    current = [0]
-    params = {p.untyped_storage().data_ptr() for p in narrow.parameters()}
-    seen: set[int] = set()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            saved[current[0]] += t.untyped_storage().nbytes()
-        return t
-
+    saved, current, pack = saved_counter(narrow, len(narrow_layers))
     hooks = [
         layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
         for i, layer in enumerate(narrow_layers)
@@ -236,6 +231,10 @@ def _forward(
 ) -> torch.Tensor:
     """The loss, through the layers one after another (as a pipeline runs them) where the
     model has layers, else through the model."""
+    if isinstance(inputs, Mapping):  # model(**batch), as training calls it
+        from axon_nb.rank.training.model_loss import LossRule
+
+        return LossRule(loss_fn, model).forward(model, inputs)
     if loss_fn is None:  # the model computes its own loss
         return model(inputs, target)
     if layers == [model]:
@@ -267,11 +266,19 @@ def _layer_row(layer: nn.Module, names: dict[int, str], split: list[nn.Module]) 
         p for m in layer.modules() if any(m is s for s in split)
         for p in m.parameters(recurse=False)
     ]  # fmt: skip
+    stacked = {
+        id(p) for m in layer.modules() if stacked_experts(m) for p in m.parameters(recurse=False)
+    }
     return {
         "name": names.get(id(layer), type(layer).__name__),
         "params": sum(p.numel() for p in layer.parameters()),
         "tp_params": sum(p.numel() for p in planned),
         "frozen": sum(p.numel() for p in layer.parameters() if not p.requires_grad),
+        "largest_param": max((p.numel() for p in layer.parameters() if p.requires_grad), default=0),
+        "largest_dense_param": max(
+            (p.numel() for p in layer.parameters() if p.requires_grad and id(p) not in stacked),
+            default=0,
+        ),
         "tp_frozen": sum(p.numel() for p in planned if not p.requires_grad),
         "output_bytes": 0,
         "colwise_in_bytes": 0,
@@ -335,14 +342,33 @@ def _nbytes(value: Any) -> int:
     return 0
 
 
+def _fsdp_units(model: nn.Module) -> list[tuple[int, int]]:
+    """(parameters, trainable parameters) of the submodules FSDP makes units of."""
+    from axon_nb.parallel.fsdp import wrap_targets
+
+    return [
+        (sum(p.numel() for p in unit.parameters()),
+         sum(p.numel() for p in unit.parameters() if p.requires_grad))
+        for unit in wrap_targets(model, None, None)
+    ]  # fmt: skip
+
+
+def _first(inputs: Any) -> torch.Tensor:
+    """The input tensor that counts samples and tokens (a mapping's ``input_ids`` or first)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs
+    if isinstance(inputs, Mapping):
+        return inputs.get("input_ids", next(iter(inputs.values())))
+    return next(iter(inputs))
+
+
 def _samples(inputs: Any) -> int:
-    first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs))
-    return int(first.shape[0])
+    return int(_first(inputs).shape[0])
 
 
 def _tokens(inputs: Any) -> int:
     """Token count of integer inputs (batch x sequence); else the samples."""
-    first = inputs if isinstance(inputs, torch.Tensor) else next(iter(inputs))
+    first = _first(inputs)
     if not first.is_floating_point() and first.dim() >= 2:
         return int(first.shape[0] * first.shape[1])
     return int(first.shape[0])
@@ -377,8 +403,11 @@ def profile_from(model: Any, data: Any, loss: Any = None, samples: int = 4) -> d
             "runs one batch of them)"
         )
     batch = default_collate([dataset[i] for i in range(samples)])
+    if isinstance(batch, Mapping):  # model(**batch), with labels among its keys
+        torch.manual_seed(0)
+        return profile_model(built.cpu(), (batch, None), loss)
     if not (isinstance(batch, tuple | list) and len(batch) == 2):
-        raise TypeError("each data item must be an (input, target) pair")
+        raise TypeError("each data item must be an (input, target) pair or a mapping")
     torch.manual_seed(0)
     return profile_model(built.cpu(), (batch[0], batch[1]), loss)
 

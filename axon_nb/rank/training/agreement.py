@@ -1,16 +1,26 @@
-"""The loop's one all-reduce per step, read a step late so the host never waits for the device.
+"""The loop's one all-reduce per step, read a step late so the rank never waits for it.
 
 Every step the ranks sum a few numbers: the loss (for the global mean), and flags (stop, a
-checkpoint written, a checkpoint due). Reading a sum right away would make the host wait for
-the GPU to finish the step (a host sync per step). Instead the loop posts step ``s`` and
-reads step ``s - 1``: on a GPU the sum of ``s - 1`` was copied to pinned host memory before
-step ``s``'s kernels were queued, so reading it waits only for step ``s - 1``, while the GPU
-already works on step ``s``.
+checkpoint written, a checkpoint due). Reading a sum right away would make each rank wait:
+
+- on a GPU, for the device to finish the step (a host sync per step);
+- on CPU ranks (gloo), for the slowest rank to reach the same point, and for gloo's worker
+  threads to hand the sum over (a second lockstep per step besides DDP's gradients; it cost
+  about 3 ms of a 35 ms step on two CPU ranks).
+
+Instead the loop posts step ``s`` and reads step ``s - 1``. On a GPU the sum of ``s - 1`` was
+copied to pinned host memory before step ``s``'s kernels were queued, so reading it waits only
+for step ``s - 1`` while the GPU already works on step ``s``. Elsewhere the all-reduce is left
+running in the background (``async_op=True``) and its work is waited for only when read,
+a step later, by when it has long finished; only a pipeline's stages (``lockstep=True``) still
+wait for it at once, so each of their steps starts together and the bubble each stage
+measures is counted from there.
 
 Example (what the loop does each step)::
 
     agreement = StepAgreement(world_size, device)
     agreement.post(torch.stack([loss * share, stop]), local=torch.stack([loss, norm]))
+    # (on CPU ranks: torch.tensor([loss_value * share, stop]), local=[loss_value, norm])
     if len(agreement) > 1:
         (total, stops), (rank_loss, norm) = agreement.take()
 """
@@ -18,45 +28,70 @@ Example (what the loop does each step)::
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 
+class _Posted(NamedTuple):
+    """One step's values on their way: ``summed`` (reduced in place by ``work``; None on one
+    rank or on a GPU, where the stream waits instead), ``local`` (this rank's own: numbers,
+    or on a GPU their host copy) and on a GPU the copy's ``event``."""
+
+    summed: torch.Tensor
+    local: torch.Tensor | list[float]
+    work: Any
+    event: torch.cuda.Event | None
+
+
 class StepAgreement:
     """Sums of per-step values over the ranks, taken (oldest first) after later steps start.
 
-    ``post(summed, local=...)``: all-reduce ``summed`` (a 1-D tensor on the rank's device)
-    and copy it, with ``local`` (this rank's own values, not reduced), towards the host.
-    ``take()``: the oldest posted step's values as Python floats, waiting only for that step.
+    ``post(summed, local=...)``: all-reduce ``summed`` (a 1-D tensor on the rank's device) in
+    place and, on a GPU, copy it with ``local`` (this rank's own values, not reduced: a tensor,
+    or on the CPU plain numbers) towards the host. ``take()``: the oldest posted step's values
+    as Python floats, waiting only for that step. ``summed`` belongs to the agreement once
+    posted: nothing else may touch it.
     """
 
-    def __init__(self, world_size: int, device: torch.device) -> None:
+    def __init__(self, world_size: int, device: torch.device, *, lockstep: bool = False) -> None:
         self.world_size = world_size
         self.device = device
-        self._pending: deque[tuple[torch.Tensor, int, torch.cuda.Event | None]] = deque()
+        self.lockstep = lockstep
+        """Wait for the sum when posting on CPU ranks too, so every rank starts the next step
+        together: a pipeline's stages, whose measured bubble counts from a common start."""
+        self._pending: deque[_Posted] = deque()
 
-    def post(self, summed: torch.Tensor, *, local: torch.Tensor | None = None) -> None:
+    def post(self, summed: torch.Tensor, *, local: torch.Tensor | Sequence[float] = ()) -> None:
+        work = None
         if self.world_size > 1:
-            # On NCCL, wait() only makes the compute stream wait for the sum: no host wait.
-            dist.all_reduce(summed, async_op=True).wait()
-        values = summed if local is None else torch.cat([summed, local.to(summed.dtype)])
-        event = None
-        if values.device.type == "cuda":
-            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            host.copy_(values, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            values = host
-        self._pending.append((values, summed.numel(), event))
+            work = dist.all_reduce(summed, async_op=True)
+        if summed.device.type != "cuda":  # waited for when taken (no lockstep), or now
+            if self.lockstep and work is not None:
+                work.wait()
+            own = local.to(summed.dtype).tolist() if isinstance(local, torch.Tensor) else local
+            self._pending.append(_Posted(summed, list(own), work, None))
+            return
+        if work is not None:
+            work.wait()  # on NCCL only the compute stream waits for the sum: no host wait
+        own = torch.as_tensor(local, dtype=summed.dtype, device=summed.device)
+        values = torch.cat([summed, own])
+        host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append(_Posted(host[: summed.numel()], host[summed.numel() :], None, event))
 
     def take(self) -> tuple[list[float], list[float]]:
         """The oldest posted step's ``(summed, local)`` values."""
-        values, n, event = self._pending.popleft()
+        summed, local, work, event = self._pending.popleft()
+        if work is not None:
+            work.wait()
         if event is not None:
             event.synchronize()
-        numbers = values.tolist()
-        return numbers[:n], numbers[n:]
+        return summed.tolist(), local.tolist() if isinstance(local, torch.Tensor) else local
 
     def __len__(self) -> int:
         """Steps posted and not yet taken."""

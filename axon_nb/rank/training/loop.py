@@ -20,7 +20,8 @@ from torch.utils.data import IterableDataset
 
 from axon_nb.metrics import memory
 from axon_nb.metrics.comm import CommMeter
-from axon_nb.metrics.peak import PeakTracker
+from axon_nb.metrics.memory import peak_parts
+from axon_nb.metrics.peak import PeakTracker, mark_phase
 from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.parallel.parallelize import parallelize
 from axon_nb.parallel.param_groups import GroupPlan, plan_groups
@@ -327,7 +328,8 @@ class _Loop:
     ) -> None:
         self.spec, self.ctx, self.state, self.publisher = spec, ctx, state, publisher
         self.meter = CommMeter()
-        self.agreement = StepAgreement(ctx.world_size, ctx.device)
+        pipelined = state.parallel.pipeline is not None  # (its stages start steps together)
+        self.agreement = StepAgreement(ctx.world_size, ctx.device, lockstep=pipelined)
         self._records: deque[dict[str, Any]] = deque()
         """Metrics of steps whose agreement is not read yet (see ``agreement.py``)."""
         self.micro = _MicroStep(spec, ctx, state.scaler, state.module)
@@ -343,13 +345,16 @@ class _Loop:
         self.stopped = False
         self.data_ended_at: int | None = None
         """The step at which a stream ran out on some rank (every rank stopped there)."""
-        self.memory: dict[str, int] = {}
+        self.memory: dict[str, Any] = {}
+        self.peak_detail: dict[str, Any] = {}
+        """``peak_phase`` and ``peak_parts`` of the tracked step with the highest peak."""
         self.loss_share = state.parallel.dims.loss_share(ctx.rank)
         """Weight of this rank's loss in the global mean; 0 on a pipeline's earlier stages."""
         self.peak_bytes: int | None = None
         """CPU: peak tensor bytes of this call's first two steps (see metrics.peak)."""
-        self._tracked_steps = 0
+        self._steps_taken = 0
         self.started = time.monotonic()
+        self._clock = time.perf_counter()  # where the last step's time was taken
         self._first_step = state.step
         self.reported_step = state.step
         """The newest step whose record is complete (its agreement read): what ``publish``
@@ -366,18 +371,17 @@ class _Loop:
             )
 
     def run(self, batches: Batches, stop: StopSignal) -> None:
-        # A step's time runs from the end of the previous one, so it includes loading its
-        # data and publishing metrics: samples/s is end to end.
-        started = time.perf_counter()
+        # Step times tile the run (each from where the previous one's was taken): they include
+        # loading data, reading agreements and publishing metrics. samples/s is end to end.
+        self._clock = time.perf_counter()
         for i, microbatches in zip(
             range(self.spec.steps), batches.on_device(self.state.step), strict=False
         ):
             if self.trace is not None:
                 self.trace.before(i + 1)
-            self.step(microbatches, stop, last=i == self.spec.steps - 1, started=started)
+            self.step(microbatches, stop, last=i == self.spec.steps - 1)
             if self.trace is not None:
                 self.trace.after(i + 1)
-            started = time.perf_counter()
             if self.stopped:
                 return
         # Only a stream ends before the last step (every rank at the same one).
@@ -392,34 +396,38 @@ class _Loop:
                 "or more data"
             )
 
-    def step(
-        self, microbatches: list[Any], stop: StopSignal, *, last: bool, started: float
-    ) -> None:
+    def step(self, microbatches: list[Any], stop: StopSignal, *, last: bool) -> None:
         spec, state = self.spec, self.state
         lr = state.optimizer.param_groups[0]["lr"]
         # torch.compile does not trace under the tracker's dispatch mode (and would then
         # leave the blocks uncompiled for good): compiled runs report no CPU peak.
-        track = self._tracked_steps < 2 and self.ctx.device.type == "cpu" and not spec.compile
+        # The first step creates the optimizer state; the third is a steady one (in the second
+        # DDP rebuilds its buckets, freeing the old ones where the tracker cannot see it).
+        self._steps_taken += 1
+        track = self._steps_taken in (1, 3) and self.ctx.device.type == "cpu" and not spec.compile
         if track:
-            held = memory.held_bytes(state.model, state.optimizer)
+            held = memory.held_parts(state.model, state.optimizer)
         with PeakTracker() if track else contextlib.nullcontext() as tracker:
             loss, norm = self._update(microbatches)
         if tracker is not None:
-            # the first step creates the optimizer state; the second is a steady one
-            self._tracked_steps += 1
-            self.peak_bytes = max(self.peak_bytes or 0, held + tracker.peak)
+            peak = sum(held.values()) + tracker.peak
+            if peak > (self.peak_bytes or 0):
+                self.peak_bytes = peak
+                self.peak_detail = peak_parts(tracker, held, state.model, state.optimizer)
         publish = last or self.publisher.due()
         if publish:  # before zero_grad, so gradients count
             self.memory = memory.snapshot(
                 state.model, state.optimizer, self.ctx.device, self.peak_bytes
             )
+            self.memory.update(self.peak_detail)
         state.optimizer.zero_grad(set_to_none=True)
         state.scheduler.step()
         state.step += 1
         every = self.checkpoints
         written, time_due = (every.written(), every.time_due()) if every else (False, False)
         self._post(loss, norm, flags=(stop.requested, written, time_due))
-        elapsed = time.perf_counter() - started
+        now = time.perf_counter()
+        elapsed, self._clock = now - self._clock, now
         comm = self.meter.take()
         self._records.append(
             {
@@ -450,7 +458,15 @@ class _Loop:
     def _post(self, loss: torch.Tensor, norm: torch.Tensor | None, flags: tuple[bool, ...]) -> None:
         """Start this step's sum over the ranks: the loss weighted by this rank's share of the
         global mean, and ``flags`` (stop requested, checkpoint written, checkpoint due)."""
+        share = self.loss_share
+        if self.spec.loss_normalization == "tokens":  # ``loss`` is already a share of the mean
+            share *= self.replicas
         device = loss.device
+        if device.type == "cpu":  # read at once (nothing to wait for): one tensor, no kernels
+            value = loss.item()
+            own = [value, math.nan if norm is None else norm.float().item()]
+            self.agreement.post(torch.tensor([value * share, *map(float, flags)]), local=own)
+            return
         flag_values = torch.tensor([float(f) for f in flags])
         if device.type == "cuda":  # pinned, so the copy queues without waiting for the GPU
             flag_values = flag_values.pin_memory()
@@ -458,9 +474,6 @@ class _Loop:
         loss = loss.float().reshape(1)
         missing = torch.full((1,), float("nan"), device=device)
         local = torch.cat([loss, missing if norm is None else norm.float().reshape(1)])
-        share = self.loss_share
-        if self.spec.loss_normalization == "tokens":  # ``loss`` is already a share of the mean
-            share *= self.replicas
         self.agreement.post(torch.cat([loss * share, flag_values]), local=local)
 
     def _settle(self, keep: int) -> tuple[bool, bool, bool]:
@@ -485,6 +498,7 @@ class _Loop:
         """Forward, backward, clipping and the optimizer step; the loss and gradient norm."""
         spec, state = self.spec, self.state
         loss = self._forward_backward(microbatches)
+        mark_phase("step")
         state.parallel.reduce_expert_grads()
         if state.scaler is not None:
             state.scaler.unscale_(state.optimizer)
@@ -505,6 +519,7 @@ class _Loop:
         """
         parallel = self.state.parallel
         if parallel.pipeline is not None:
+            mark_phase("pipeline")  # forward and backward interleaved by the schedule
             return parallel.pipeline.step(microbatches, self.micro)
         num_items, weight = None, 1.0 / len(microbatches)
         if self.spec.loss_normalization == "tokens":
@@ -515,7 +530,9 @@ class _Loop:
         for i, batch in enumerate(microbatches):
             last = i == len(microbatches) - 1
             with contextlib.nullcontext() if last else parallel.no_sync():
+                mark_phase("forward")
                 loss = self.micro.loss(parallel.model, batch, num_items)
+                mark_phase("backward")
                 self.micro.backward(loss * weight)
             total = total + loss.detach()
         parallel.finish_backward()
