@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from axon_nb.estimate.memory_model import predict_memory
@@ -101,6 +101,7 @@ def advise(
     device_flops: float | None = None,
     optimizer: Any = None,
     mixed_precision: str | None = None,
+    device_type: str | None = None,
 ) -> Advice:
     """Rank ``strategies`` (by default a candidate of each kind that fits the world) for
     training ``model`` on ``world_size`` devices of ``device_memory`` over ``hosts`` hosts.
@@ -111,6 +112,9 @@ def advise(
     GPT); pass ``profile=`` to reuse one. ``batch_size`` is the global batch (default 4 per
     rank). ``bandwidth``: a ``cluster.bandwidth()`` report, bytes/s, or
     ``{"intra_host": ..., "inter_host": ...}``; ``device_flops``: sustained FLOP/s per device.
+    ``device_type`` (``"cuda"`` or ``"cpu"``) sets the optimizers' default paths, whose step
+    temporaries differ: by default the profile's device (a rank's), or ``"cuda"`` when the
+    model is profiled here.
     """
     memory = parse_memory(device_memory)
     optimizer = "adamw" if optimizer is None else optimizer  # train's default optimizer
@@ -127,6 +131,9 @@ def advise(
         from axon_nb.estimate.probe_process import profile as probe
 
         profile = probe(model, data, loss)
+        device_type = device_type or "cuda"  # (the subprocess's CPU is not the devices')
+    if device_type is not None:
+        profile = replace(profile, device_type=device_type)
     per_host = world_size // hosts
     batch = batch_size or 4 * world_size
     links = _links(bandwidth)

@@ -65,7 +65,7 @@ data-parallel ranks:
 
 With FSDP's ``cpu_offload`` the shards of parameters, gradients and optimizer state live in
 host memory: they are reported as ``offloaded`` and left out of the device's peak (and the
-step runs there). Example::
+step runs there); a pipeline's whole accumulated gradients stay on the device. Example::
 
     terms = predict_memory(profile, layout, optimizer="adamw")
     terms["peak"], terms["phase"]
@@ -165,11 +165,12 @@ def predict_memory(
     offloaded = 0.0
     if fsdp is not None and fsdp.cpu_offload:
         # the host keeps the shards and steps them; on the device the gradient shards come
-        # only after the peak
-        grads = max(in_backward["grads"], trained * b / layout.param_shards)
-        offloaded = held["params"] + grads + held["optimizer"]
+        # only after the peak (a pipeline's whole accumulated gradients stay on the device)
+        offloaded = held["params"] + trained * b / layout.param_shards + held["optimizer"]
         for moment, _ in moments:
-            moment.update(params=0.0, grads=0.0, optimizer=0.0)
+            moment.update(params=0.0, optimizer=0.0)
+            if layout.dims.pp == 1:
+                moment["grads"] = 0.0
         at_step.clear()
     terms, phase = max(moments, key=lambda m: sum(m[0].values()))
     terms = dict(terms)

@@ -107,9 +107,10 @@ class ModelProfile:
     param_bytes: int = 4
     """Bytes per parameter element as stored (4: fp32)."""
     backward_extra_bytes: float = 0.0
-    """Per sample: the bytes alive at the probe's peak (the start of backward) beyond the saved
-    activations, the parameter gradients alive then and the parameters themselves: activation
-    gradients and the loss's temporaries, which grow with the samples."""
+    """Per sample: the bytes alive at the probe's peak (``working_set_phase``: the start of
+    backward, or the end of forward for a model whose own loss peaks there) beyond the saved
+    activations, the parameter gradients left out: activation gradients and the loss's
+    temporaries, the part that grows with the samples (measured at two batch sizes)."""
     backward_fixed_bytes: float = 0.0
     """The part of that working set that does not grow with the samples (measured at two
     batch sizes): e.g. a stacked experts weight's gradient pieces before they are summed."""

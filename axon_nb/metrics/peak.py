@@ -48,6 +48,7 @@ _ACTIVE: list[PeakTracker] = []  # trackers to tell about a resize, innermost la
 _LOCK = threading.Lock()
 _RESIZE = torch.UntypedStorage.resize_
 _FRESH: dict[Any, bool] = {}  # operator -> whether its outputs are new storage
+_SHARING = {"_unsafe_view"}  # operators that return their input's storage, unannotated
 
 
 def _resize(storage: torch.UntypedStorage, size: int) -> Any:
@@ -72,13 +73,13 @@ def mark_phase(phase: str) -> None:
 def attributed(kind: str) -> Iterator[None]:
     """Storage made inside this block is of ``kind`` (``buckets``, ``communication``, ...)
     in the trackers' breakdowns, whatever the phase."""
-    saved = [tracker.kind for tracker in _ACTIVE]
-    for tracker in _ACTIVE:
+    saved = [(tracker, tracker.kind) for tracker in _ACTIVE]
+    for tracker, _ in saved:
         tracker.kind = kind
     try:
         yield
     finally:
-        for tracker, kind_before in zip(list(_ACTIVE), saved, strict=False):
+        for tracker, kind_before in saved:
             tracker.kind = kind_before
 
 
@@ -91,6 +92,7 @@ def _fresh(func: Any) -> bool:
         schema = getattr(func, "_schema", None)
         returns = schema.returns if schema is not None else []
         own = getattr(func, "namespace", "") != "c10d"
+        own = own and schema is not None and schema.name.split("::")[-1] not in _SHARING
         known = _FRESH[func] = own and all(r.alias_info is None for r in returns)
     return known
 
@@ -115,6 +117,7 @@ class PeakTracker(TorchDispatchMode):
         self._seq = 0
         self._peak_seq = 0
         self._marks: list[tuple[int, str]] = [(0, self.phase)]  # (from event, phase)
+        self._finalizers: list[weakref.finalize] = []
         self._active = True
 
     def __torch_dispatch__(
@@ -141,6 +144,17 @@ class PeakTracker(TorchDispatchMode):
             if not _ACTIVE:
                 torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
         super().__exit__(*exc)
+
+    def close(self) -> None:
+        """Let go of the storages seen and their history (after reading :meth:`breakdown`):
+        otherwise their finalizers keep this tracker alive as long as any of them lives."""
+        for finalizer in self._finalizers:
+            finalizer.detach()
+        self._finalizers.clear()
+        self._rows.clear()
+        self._done.clear()
+        self._live.clear()
+        self._before.clear()
 
     def label(self, tensor: torch.Tensor | None, kind: str) -> None:
         """Count ``tensor``'s storage as ``kind`` in :meth:`breakdown` (if this tracker
@@ -214,7 +228,7 @@ class PeakTracker(TorchDispatchMode):
         self._before[key] = before
         self._rows[key] = _Row(self.phase, kind or self.kind)
         self._count(key, storage.nbytes())
-        weakref.finalize(storage, self._release, key)
+        self._finalizers.append(weakref.finalize(storage, self._release, key))
 
     def _count(self, key: int, nbytes: int) -> None:
         counted = nbytes - self._before[key]

@@ -13,9 +13,12 @@ is built here from ``torch.distributed`` collectives:
   buffer (made when the bucket's first gradient arrives) and dropped. When every parameter of
   a bucket has its gradient the buffer is reduce-scattered (asynchronously): rank r receives
   the sum over ranks of its slice. Before the next buffer is made, the reduce-scatter in
-  flight is waited for and its buffer freed, so backward holds at most one bucket of whole
-  gradients (and the one gradient being copied) besides this rank's slices: the ZeRO paper's
-  parameters + gradients/N + optimizer state/N, plus a bucket.
+  flight is waited for and its buffer freed, so when gradients arrive bucket by bucket (the
+  reverse registration order, as backward mostly produces them) backward holds one bucket of
+  whole gradients (and the one gradient being copied) besides this rank's slices: the ZeRO
+  paper's parameters + gradients/N + optimizer state/N, plus a bucket. A bucket still
+  waiting for a gradient that comes later (a bias whose gradient autocast makes after the
+  next layer's weight's) keeps its buffer beside the next one.
 - The optimizer sees one parameter per bucket: this rank's slice, a view into the bucket (so
   updating it updates the model's parameters in place), with the averaged gradient shard as
   its ``.grad``. After each optimizer step every bucket is all-gathered from the slices.
@@ -67,7 +70,8 @@ class _Bucket:
         width = self.size // world_size
         self.slice = slice(rank * width, (rank + 1) * width)
         self.shard = nn.Parameter(self.flat[self.slice])  # shares the bucket's storage
-        self.ready = 0
+        self.arrived: set[int] = set()
+        """Positions of the parameters whose gradients are in ``grads`` this step."""
         self.group = group
         """The optimizer parameter group of its parameters."""
 
@@ -149,10 +153,12 @@ class GradShardedModel(nn.Module):
                     bucket.grads = param.new_zeros(bucket.size)
             offset = bucket.offsets[position]
             assert param.grad is not None
-            bucket.grads[offset : offset + param.numel()].copy_(param.grad.reshape(-1))
-            param.grad = None  # the whole gradient goes; its copy is in the bucket's buffer
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
+            # added, not copied: a parameter whose gradient comes twice before its bucket is
+            # reduced (two backwards) keeps both
+            bucket.grads[offset : offset + param.numel()].add_(param.grad.reshape(-1))
+            param.grad = None  # the whole gradient goes; its sum is in the bucket's buffer
+            bucket.arrived.add(position)
+            if len(bucket.arrived) == len(bucket.params):
                 self._reduce(index)
 
         return on_grad
@@ -160,7 +166,8 @@ class GradShardedModel(nn.Module):
     def _reduce(self, index: int) -> None:
         bucket = self.buckets[index]
         flat = bucket.grads if bucket.grads is not None else bucket.flat.new_zeros(bucket.size)
-        bucket.ready, bucket.grads = 0, None
+        bucket.grads = None
+        bucket.arrived.clear()
         self._reduced.add(index)
         # gradients the hooks did not take: accumulated under no_sync by a parameter the last
         # micro-batch did not use

@@ -114,6 +114,7 @@ def profile_model(
     # all of it again under bf16 autocast, which keeps some activations in fp32 and saves
     # bf16 copies of the weights.
     peak, phase = tracker.moment_excluding("grads")
+    tracker.close()
     extra = peak - saved_total
     per_sample, fixed = max(0, extra) / samples, 0.0
     half_extra: tuple[float, float] = (0.0, 0.0)
@@ -158,7 +159,7 @@ def profile_model(
 
 class _ProbeTracker(PeakTracker):
     """``PeakTracker`` that labels each parameter gradient as autograd accumulates it, so the
-    peak of everything else (:meth:`PeakTracker.peak_excluding`) leaves them out: what
+    peak of everything else (:meth:`PeakTracker.moment_excluding`) leaves them out: what
     ``backward_extra_bytes`` measures beside the saved activations. (The parameters
     themselves are not counted: views of them, such as a ``Linear``'s transposed weight, are
     no new storage.)"""

@@ -58,7 +58,9 @@ def measure_pass(
         for hook in hooks:
             hook.remove()
         model.zero_grad(set_to_none=True)
-    return saved, *tracker.moment_excluding("grads")
+    peak, phase = tracker.moment_excluding("grads")
+    tracker.close()
+    return saved, peak, phase
 
 
 def saved_counter(

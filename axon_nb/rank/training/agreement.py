@@ -36,9 +36,9 @@ import torch.distributed as dist
 
 
 class _Posted(NamedTuple):
-    """One step's values on their way: ``summed`` (reduced in place by ``work``; None on one
-    rank or on a GPU, where the stream waits instead), ``local`` (this rank's own: numbers,
-    or on a GPU their host copy) and on a GPU the copy's ``event``."""
+    """One step's values on their way: ``summed`` (reduced in place by ``work``, which is None
+    on one rank or on a GPU, where the stream waits instead), ``local`` (this rank's own:
+    numbers, or on a GPU their host copy) and on a GPU the copy's ``event``."""
 
     summed: torch.Tensor
     local: torch.Tensor | list[float]

@@ -351,7 +351,7 @@ class _Loop:
         self.loss_share = state.parallel.dims.loss_share(ctx.rank)
         """Weight of this rank's loss in the global mean; 0 on a pipeline's earlier stages."""
         self.peak_bytes: int | None = None
-        """CPU: peak tensor bytes of this call's first two steps (see metrics.peak)."""
+        """CPU: peak tensor bytes of this call's first and third steps (see metrics.peak)."""
         self._steps_taken = 0
         self.started = time.monotonic()
         self._clock = time.perf_counter()  # where the last step's time was taken
@@ -414,6 +414,7 @@ class _Loop:
             if peak > (self.peak_bytes or 0):
                 self.peak_bytes = peak
                 self.peak_detail = peak_parts(tracker, held, state.model, state.optimizer)
+            tracker.close()
         publish = last or self.publisher.due()
         if publish:  # before zero_grad, so gradients count
             self.memory = memory.snapshot(
