@@ -125,17 +125,24 @@ def profile_model(
         saved_small, peak_small, _ = measure_pass(model, layers, *small, loss_fn, forward=_forward)
         per_sample, fixed = split_fixed(extra, peak_small - sum(saved_small), samples, fewer)
         bf16 = torch.bfloat16
-        full_h, peak_h, half_phase = measure_pass(
-            model, layers, inputs, target, loss_fn, forward=_forward, dtype=bf16
-        )
-        small_h, peak_small_h, _ = measure_pass(
-            model, layers, *small, loss_fn, forward=_forward, dtype=bf16
-        )
-        for row, big, little in zip(rows, full_h, small_h, strict=True):
+        try:
+            full_h, peak_h, half_phase = measure_pass(
+                model, layers, inputs, target, loss_fn, forward=_forward, dtype=bf16
+            )
+            small_h, peak_small_h, _ = measure_pass(
+                model, layers, *small, loss_fn, forward=_forward, dtype=bf16
+            )
+        except (RuntimeError, NotImplementedError):  # an op CPU autocast cannot run: no bf16
+            full_h = small_h = []  # figures (predictions then halve the fp32 ones)
+            peak_h = peak_small_h = 0
+        for row, big, little in zip(rows, full_h, small_h, strict=False):
             row["half_saved_bytes"], row["half_saved_fixed"] = split_fixed(
                 big, little, samples, fewer
             )
-        half_extra = split_fixed(peak_h - sum(full_h), peak_small_h - sum(small_h), samples, fewer)
+        if full_h:
+            half_extra = split_fixed(
+                peak_h - sum(full_h), peak_small_h - sum(small_h), samples, fewer
+            )
     # FLOPs count the parameters a token meets: of a mixture of experts, its top_k experts
     idle = sum(sum(r.pop("_idle", {}).values()) for r in rows)
     params = sum(r["params"] for r in rows) - idle
