@@ -45,7 +45,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon_nb.metrics.peak import PeakTracker, mark_phase
 from axon_nb.parallel.expert_plan import stacked_experts
 from axon_nb.rank.observe.probe_passes import head, measure_pass, saved_counter, split_fixed
 from axon_nb.spec.pretrained_model import PretrainedModel
@@ -67,11 +66,10 @@ def profile_model(
     listed = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
     for layer, row in zip(layers, rows, strict=True):
         row["block"] = any(layer is m for m in listed)
-    saved, current, pack = saved_counter(model, len(layers))
-    hooks = []
-    for i, (layer, row) in enumerate(zip(layers, rows, strict=True)):
-        hooks.append(layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i)))
-        hooks.append(layer.register_forward_hook(_record_output(row)))
+    hooks = [
+        layer.register_forward_hook(_record_output(row))
+        for layer, row in zip(layers, rows, strict=True)
+    ]
     for name, style in plan.items():
         module = model.get_submodule(name)
         owner = next(r for layer, r in zip(layers, rows, strict=True) if _holds(layer, module))
@@ -83,18 +81,9 @@ def profile_model(
             owner["experts"] += module.num_experts
             hooks.append(module.register_forward_hook(_record_routed(owner)))
     model.zero_grad(set_to_none=True)
-    tracker = _ProbeTracker(model)
-    hooks += tracker.gradient_hooks()
-    try:
-        with tracker, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mark_phase("forward")
-            loss = _forward(model, layers, inputs, target, loss_fn)
-            mark_phase("backward")
-            loss.float().sum().backward()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    model.zero_grad(set_to_none=True)
+    saved, peak, phase = measure_pass(
+        model, layers, inputs, target, loss_fn, forward=_forward, hooks=hooks
+    )
     saved_total = sum(saved)
     for row, layer_saved in zip(rows, saved, strict=True):
         row["saved_bytes"] = layer_saved / samples
@@ -113,8 +102,6 @@ def profile_model(
     # that does not (a stacked experts weight's gradient pieces before they are summed). And
     # all of it again under bf16 autocast, which keeps some activations in fp32 and saves
     # bf16 copies of the weights.
-    peak, phase = tracker.moment_excluding("grads")
-    tracker.close()
     extra = peak - saved_total
     per_sample, fixed = max(0, extra) / samples, 0.0
     half_extra: tuple[float, float] = (0.0, 0.0)
@@ -162,30 +149,6 @@ def profile_model(
         "fsdp_units": _fsdp_units(model) if layers == [model] else [],
         "probe_samples": samples,
     }
-
-
-class _ProbeTracker(PeakTracker):
-    """``PeakTracker`` that labels each parameter gradient as autograd accumulates it, so the
-    peak of everything else (:meth:`PeakTracker.moment_excluding`) leaves them out: what
-    ``backward_extra_bytes`` measures beside the saved activations. (The parameters
-    themselves are not counted: views of them, such as a ``Linear``'s transposed weight, are
-    no new storage.)"""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self._model = model
-
-    def gradient_hooks(self) -> list[Any]:
-        """Hooks (to remove afterwards) that label each gradient once it is accumulated."""
-
-        def accumulated(param: nn.Parameter) -> None:
-            self.label(param.grad, "grads")
-
-        return [
-            p.register_post_accumulate_grad_hook(accumulated)
-            for p in self._model.parameters()
-            if p.requires_grad
-        ]
 
 
 def _measure_split(

@@ -11,7 +11,7 @@ Example (what ``model_probe.profile_model`` does)::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,19 +29,23 @@ def measure_pass(
     *,
     forward: Callable[..., torch.Tensor],
     dtype: torch.dtype | None = None,
+    hooks: Sequence[Any] = (),
 ) -> tuple[list[int], int, str]:
     """Bytes autograd saves for backward in each of ``layers`` (a tensor two layers save is
     counted once, by the first; the parameters are not), the peak of one forward (under
     autocast to ``dtype`` when given) and backward, leaving the parameter gradients out, and
-    the phase it came in (``forward``: a model that computes its own loss may peak there)."""
+    the phase it came in (``forward``: a model that computes its own loss may peak there).
+    ``hooks``: the caller's recording hooks on the model, removed with this pass's own.
+    Parameter gradients are labelled as autograd accumulates them, so the peak leaves them
+    out; the parameters themselves are no new storage to the tracker."""
     saved, current, pack = saved_counter(model, len(layers))
     tracker = PeakTracker()
 
     def accumulated(param: nn.Parameter) -> None:
         tracker.label(param.grad, "grads")
 
-    hooks = [p.register_post_accumulate_grad_hook(accumulated)
-             for p in model.parameters() if p.requires_grad]  # fmt: skip
+    hooks = [*hooks, *(p.register_post_accumulate_grad_hook(accumulated)
+                       for p in model.parameters() if p.requires_grad)]  # fmt: skip
     hooks += [
         layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
         for i, layer in enumerate(layers)
