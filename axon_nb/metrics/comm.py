@@ -40,11 +40,6 @@ class CommMeter:
         self._totals: dict[str, list[float]] = {}
         self._lifetime: dict[str, list[float]] = {}
 
-    def add(self, kind: str, nbytes: int, seconds: float) -> None:
-        """Record one finished collective: :meth:`launched` and :meth:`finished` at once."""
-        self.launched(kind, nbytes)
-        self.finished(kind, seconds)
-
     def launched(self, kind: str, nbytes: int) -> None:
         """Count one collective's call and payload, once it has been started."""
         with self._lock:
