@@ -3,7 +3,10 @@ holds it.
 
 A step has two high moments: **backward** (its start, when the saved activations are
 largest, and the gradients that come as it goes) and the optimizer **step** (the gradients
-complete, the activations gone, the optimizer's temporaries). The peak is the larger; a
+complete, the activations gone, the optimizer's temporaries). Under data parallelism
+backward is also followed layer by layer: when layer ``k``'s largest gradient is made, only
+the layers before ``k`` still hold saved activations (a model whose largest tensor is not in
+its last layer peaks there). The peak is the larger; a
 pipeline's forward and backward interleave (phase ``pipeline``). FSDP without resharding
 after forward has a third, at the end of **forward**: every unit whole, and the all-gather
 outputs of the last two units (FSDP2 frees one only once the next one's copy-out is done).
@@ -37,9 +40,12 @@ data-parallel ranks:
 ``backward``   the last layer's backward working set (activation gradients, the loss's
                temporaries) x the samples in flight, plus what does not grow with them
                (both measured at two batch sizes, and again under bf16 autocast), on the
-               rank that holds it;
+               rank that holds it; on an earlier pipeline stage, the gradients its layers
+               pass back (a layer's output's and its input's, the largest pair) x a
+               micro-batch's samples;
                and where a gradient is taken from autograd into a bucket (DDP, ZeRO-1,
-               ZeRO-2), the one autograd has just made: the largest trainable tensor's
+               ZeRO-2), the one autograd has just made: at the start of backward the last
+               trained layer's largest tensor's, at layer ``k`` layer ``k``'s
 ``pipeline``   a pipeline stage's receive buffers, one per micro-batch (activations in,
                gradients back: ``batch x boundary bytes`` each way it receives; none
                come back to a stage when it and every layer before it are frozen), and
@@ -58,7 +64,12 @@ data-parallel ranks:
                parameters (copies beside the shards, which stay) and one unit's
                gradients. A pipeline stage is sharded layer by layer, and FSDP keeps
                each unit whole after its backward until the last micro-batch's: at the
-               peak, in the second micro-batch's backward, ``P b`` gathered
+               peak, in the second micro-batch's backward, ``P b`` gathered. A model
+               sharded layer by layer (an ``nn.Sequential`` without blocks) peaks at its
+               largest layer instead (``_fsdp_layer_moments``), with the gradient shards
+               of the layers after it. At the end of forward (a model that computes its
+               own loss): the root unit and one more. FSDP gathers in its
+               ``param_dtype``; under autocast alone, in fp32
 ``step``       the optimizer step's temporaries (``optimizer_memory``: by optimizer and
                implementation path, from the largest tensor it steps or all of them)
 =============  ==================================================================
@@ -73,6 +84,7 @@ step runs there); a pipeline's whole accumulated gradients stay on the device. E
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from axon_nb.estimate.optimizer_memory import state_bytes, step_temporaries
@@ -130,9 +142,14 @@ def predict_memory(
             if measured
             else profile.backward_extra_bytes * layout.micro_samples + profile.backward_fixed_bytes
         )
+    elif layout.dims.pp > 1:  # an earlier stage: the gradients its layers pass back
+        backward = _activation_grads(layers) * layout.micro_samples
     if kind in ("ddp", "zero1", "zero2"):
-        backward += largest * b  # the gradient autograd just made, before the bucket takes it
-    gathered_bytes = b if compute not in HALF else 2
+        # the gradient autograd just made, before the bucket takes it: at the start of
+        # backward, the last trained layer's
+        backward += _largest(_last_trained(layers), layout) * b
+    # FSDP gathers in its own param_dtype; autocast casts the gathered fp32 weights later
+    gathered_bytes = 2 if fsdp is not None and fsdp.param_dtype in HALF else b
     freed = _saved_after_blocks(layers, layout, half, autocast)  # before the blocks' backward
     in_backward = {
         **held,
@@ -157,7 +174,18 @@ def predict_memory(
     # the activations' moment: where the probe saw them peak (with the loss's temporaries, a
     # model that computes its own loss may peak at the end of forward)
     held_at = profile.half_working_set_phase if autocast else profile.working_set_phase
-    moments = [(in_backward, "pipeline" if layout.dims.pp > 1 else held_at), (at_step, "step")]
+    if held_at == "forward" and fsdp is not None and layout.dims.pp == 1:
+        in_backward["gathered"] = _gathered_after_forward(layers, layout, gathered_bytes, profile)
+    first = "pipeline" if layout.dims.pp > 1 else held_at
+    moments = [(m, first) for m in _fsdp_layer_moments(layers, layout, in_backward,
+                                                       gathered_bytes, half=half,
+                                                       autocast=autocast)]  # fmt: skip
+    moments.append((at_step, "step"))
+    if kind in ("ddp", "zero1", "zero2") and layout.dims.pp == 1:
+        moments += [
+            ({**in_backward, **layer_moment}, "backward")
+            for layer_moment in _layer_moments(layers, layout, half, autocast, b)
+        ]
     if fsdp is not None and not fsdp.reshard_after_forward and layout.dims.pp == 1:
         whole = [p * gathered_bytes for p, _ in _units(layers, layout, tp, profile.fsdp_units)]
         moments.append(({**held, "activations": in_backward["activations"],
@@ -203,6 +231,42 @@ def _activations(
     in_flight = layout.samples_in_flight / layout.micro_samples
     rebuilt *= layout.micro_samples
     return per_sample * layout.samples_in_flight + rebuilt + fixed * in_flight
+
+
+def _layer_moments(
+    layers: list[LayerProfile], layout: RankLayout, half: bool, autocast: bool, b: int
+) -> list[dict[str, float]]:
+    """Data parallelism's moments later in backward, one per trained layer ``k`` before the
+    last: the gradient autograd has just made for ``k``'s largest tensor (its bucket takes it
+    next), the gradient of ``k``'s input autograd passes on, and the saved activations of the
+    layers before ``k`` only (``k``'s own are freed once its backward has run; the later
+    layers' before; under autocast the gradient of the tensor's bf16 copy is freed once it
+    is cast, before the bucket takes the fp32 one). A model whose largest tensor is not in
+    its last layer peaks here."""
+    moments = []
+    for k in range(1, len(layers) - 1):
+        if layers[k].local_trainable(layout.dims.tp) == 0:
+            continue
+        largest = _largest([layers[k]], layout)
+        moments.append({
+            "activations": _activations(layers[:k], layout, half, measured=autocast),
+            "backward": layers[k - 1].output_bytes * layout.micro_samples
+            + largest * b,
+        })  # fmt: skip
+    return moments
+
+
+def _activation_grads(layers: list[LayerProfile]) -> float:
+    """Per sample, the most a stage's backward holds of the gradients it passes back at once:
+    a layer's output's and the one it makes for its input (the previous layer's output)."""
+    outputs = [0.0] + [x.output_bytes for x in layers]
+    return max(a + b for a, b in itertools.pairwise(outputs))
+
+
+def _last_trained(layers: list[LayerProfile]) -> list[LayerProfile]:
+    """The last layer with trainable parameters (as a list), or all of them when none has."""
+    trained = [x for x in layers if x.params > x.frozen]
+    return trained[-1:] or layers
 
 
 def _saved(layer: LayerProfile, tp: int, sequence: bool, half: bool, measured: bool) -> float:
@@ -320,6 +384,57 @@ def _units(
     if layout.dims.pp > 1 or not blocks:
         return [whole([x]) for x in layers]
     return [whole([x]) for x in blocks] + [whole([x for x in layers if not x.block])]
+
+
+def _fsdp_layer_moments(
+    layers: list[LayerProfile],
+    layout: RankLayout,
+    in_backward: dict[str, float],
+    b: int,
+    *,
+    half: bool,
+    autocast: bool,
+) -> list[dict[str, float]]:
+    """FSDP on a model sharded layer by layer (an ``nn.Sequential`` without blocks): its
+    moment in backward is at the largest layer (the first of the largest, in forward
+    order), not at the start: the layers up to it hold saved activations, the gradients it
+    passes back are alive, two layers are whole (it and the prefetched one) with its
+    gradients, and the layers after it have reduce-scattered theirs into shards. The start
+    of backward has all the activations and the backward working set, and the last two
+    layers whole, no gradient yet. Models with blocks keep ``in_backward`` (the start of the
+    blocks' backward)."""
+    if layout.kind != "fsdp" or layout.dims.pp > 1 or layout.param_shards == 1:
+        return [in_backward]
+    if any(x.block for x in layers) or len(layers) < 2:
+        return [in_backward]
+    params = [x.local_params(layout.dims.tp) for x in layers]
+    trained = [x.local_trainable(layout.dims.tp) for x in layers]
+    i = max(range(len(layers)), key=lambda k: (params[k], -k))
+    outputs = [0.0] + [x.output_bytes for x in layers]
+    at_largest = {
+        **in_backward,
+        "activations": _activations(layers[: i + 1], layout, half, measured=autocast),
+        "backward": (outputs[i] + outputs[i + 1]) * layout.micro_samples,
+        "grads": sum(trained[i + 1 :]) * b / layout.param_shards,
+    }
+    whole = [p for p in params if p]
+    start = {**in_backward, "gathered": sum(whole[-2:]) * b}
+    return [at_largest, start]
+
+
+def _gathered_after_forward(
+    layers: list[LayerProfile], layout: RankLayout, b: int, profile: ModelProfile
+) -> float:
+    """FSDP at the end of forward, where a model that computes its own loss peaks: no
+    gradient yet; the root unit whole (FSDP2 never reshards it after forward: backward needs
+    it first) and one unit more (the last to run, or the first of backward gathered
+    early). Without resharding after forward, every unit whole."""
+    units = [p for p, _ in _units(layers, layout, layout.dims.tp, profile.fsdp_units)]
+    if layout.param_shards == 1:
+        return 0.0
+    if not layout.config.fsdp or not layout.config.fsdp.reshard_after_forward:
+        return sum(units) * b
+    return (units[-1] + max(units[:-1], default=0.0)) * b
 
 
 def _gathered(

@@ -7,8 +7,9 @@ is built here from ``torch.distributed`` collectives:
   order (roughly the order backward produces gradients), and each parameter becomes a view
   into its bucket. A model smaller than ``MIN_BUCKETS`` buckets gets smaller ones (a quarter of
   its trainable bytes each, a parameter never split), so its gradients never all exist at
-  once. A bucket is padded to a multiple of the world size; rank r owns the r-th contiguous
-  slice of every bucket.
+  once. A module's own parameters (a linear's weight and bias) share a bucket, whatever the
+  cap: backward makes their gradients together. A bucket is padded to a multiple of the
+  world size; rank r owns the r-th contiguous slice of every bucket.
 - In backward each gradient, as autograd makes it, is copied into its bucket's flat gradient
   buffer (made when the bucket's first gradient arrives) and dropped. When every parameter of
   a bucket has its gradient the buffer is reduce-scattered (asynchronously): rank r receives
@@ -17,8 +18,8 @@ is built here from ``torch.distributed`` collectives:
   reverse registration order, as backward mostly produces them) backward holds one bucket of
   whole gradients (and the one gradient being copied) besides this rank's slices: the ZeRO
   paper's parameters + gradients/N + optimizer state/N, plus a bucket. A bucket still
-  waiting for a gradient that comes later (a bias whose gradient autocast makes after the
-  next layer's weight's) keeps its buffer beside the next one.
+  waiting for a gradient that comes later (a parameter used again earlier in the forward)
+  keeps its buffer beside the next one.
 - The optimizer sees one parameter per bucket: this rank's slice, a view into the bucket (so
   updating it updates the model's parameters in place), with the averaged gradient shard as
   its ``.grad``. After each optimizer step every bucket is all-gathered from the slices.
@@ -102,10 +103,11 @@ class GradShardedModel(nn.Module):
         if param_groups is None:
             param_groups = [[p for p in module.parameters() if p.requires_grad]]
         cap = bucket_cap(param_groups, bucket_cap_mb)
+        owners = {id(p): id(m) for m in module.modules() for p in m.parameters(recurse=False)}
         self.buckets = [
             bucket
             for index, params in enumerate(param_groups)
-            for bucket in _pack(params, rank, self.world_size, cap, index)
+            for bucket in _pack(params, rank, self.world_size, cap, index, owners)
         ]
         self.require_sync = True
         self._pending: list[tuple[Any, torch.Tensor, _Bucket, torch.Tensor]] = []
@@ -275,23 +277,41 @@ def bucket_cap(param_groups: list[list[nn.Parameter]], bucket_cap_mb: float) -> 
 
 
 def _pack(
-    params: list[nn.Parameter], rank: int, world_size: int, cap_bytes: int, group: int
+    params: list[nn.Parameter],
+    rank: int,
+    world_size: int,
+    cap_bytes: int,
+    group: int,
+    owners: dict[int, int],
 ) -> list[_Bucket]:
     """Buckets of ``params`` (one optimizer group's trainable parameters), last registered
-    first, one dtype and device each."""
+    first, one dtype and device each, a module's own parameters (``owners``: a parameter's id
+    to its module's) in one bucket."""
+    runs: list[list[nn.Parameter]] = []  # a module's parameters, in order
+    for p in reversed(params):
+        if runs and owners.get(id(p), id(p)) == owners.get(id(runs[-1][-1])):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
     buckets: list[_Bucket] = []
     members: list[nn.Parameter] = []
     size = 0
-    for p in reversed(params):
-        same_kind = not members or (p.dtype, p.device) == (members[0].dtype, members[0].device)
-        if members and (size + p.numel() * p.element_size() > cap_bytes or not same_kind):
-            buckets.append(_Bucket(members, rank, world_size, group))
-            members, size = [], 0
-        members.append(p)
-        size += p.numel() * p.element_size()
+    for run in runs:
+        for p in run:  # one kind per bucket, even within a module
+            same_kind = not members or (p.dtype, p.device) == (members[0].dtype, members[0].device)
+            full = p is run[0] and size + _bytes(run) > cap_bytes
+            if members and (full or not same_kind):
+                buckets.append(_Bucket(members, rank, world_size, group))
+                members, size = [], 0
+            members.append(p)
+            size += p.numel() * p.element_size()
     if members:
         buckets.append(_Bucket(members, rank, world_size, group))
     return buckets
+
+
+def _bytes(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
 
 
 def _copy(value: Any) -> Any:

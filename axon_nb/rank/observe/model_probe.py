@@ -360,6 +360,7 @@ def profile_from(model: Any, data: Any, loss: Any = None, samples: int = 4) -> d
 
         built = meta_init.load_whole(model)
     else:
+        torch.manual_seed(0)  # a model built here is the same model at every profile
         built = copy.deepcopy(model) if isinstance(model, nn.Module) else model()
     if not isinstance(built, nn.Module):
         raise TypeError(
