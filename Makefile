@@ -12,7 +12,7 @@ TORCH ?= torch==2.13.0
 # them for a whole file of training tests (9 CPU-s, once).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test lint system-packages bench clean extension check-extension
+.PHONY: install demo test lint docs system-packages bench clean extension check-extension
 
 install: $(VENV)/.installed
 
@@ -38,10 +38,16 @@ check-extension: install
 demo: install
 	$(BIN)/python -m axon_nb.notebooks examples/quickstart.ipynb --output build/quickstart.ipynb
 
+# The documentation site (mkdocs.yml, docs/) into build/site; --strict: a warning (a broken
+# link, a page missing from the nav, an API entry that does not resolve) fails the build.
+docs: install
+	$(BIN)/mkdocs build --strict --quiet -d build/site
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # Debian packages that tests drive for real: chromium (the browser tests), sshd and ip for
 # other hosts made of network namespaces (tests/test_hosts.py), Slurm (tests/test_slurm.py).
@@ -67,7 +73,7 @@ system-packages:
 # together, as in `make clean test`, would then run at the same time).
 test:
 	$(MAKE) --jobs=2 install system-packages
-	$(MAKE) lint check-extension
+	$(MAKE) lint check-extension docs
 	$(BIN)/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 bench: install

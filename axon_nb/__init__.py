@@ -147,7 +147,7 @@ def current_cluster() -> Cluster:
     """
     from axon_nb.magics import current_cluster as current
 
-    return current()  # type: ignore[no-any-return]
+    return current()
 
 
 def load_ipython_extension(ipython: Any) -> None:

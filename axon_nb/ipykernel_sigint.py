@@ -90,4 +90,4 @@ def install(*, hold_during_imports: bool = False) -> None:
     def pre_handler_hook(self: Kernel) -> None:
         self.saved_sigint_handler = signal.signal(signal.SIGINT, handler)
 
-    Kernel.pre_handler_hook = pre_handler_hook  # type: ignore[method-assign]
+    Kernel.pre_handler_hook = pre_handler_hook  # type: ignore[method-assign]  # (a patch)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import shutil
 import signal
@@ -14,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fresh_world_sum
 from IPython.core.interactiveshell import InteractiveShell
+from pool import ClusterPool
 
 import axon_nb
 
@@ -49,49 +48,6 @@ if threading.current_thread() is threading.main_thread() and (
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-class ClusterPool:
-    """Started clusters kept for the whole session of one pytest worker, one per set of
-    options: a module asks for ``get(n)`` and gets the running cluster of earlier modules when
-    it is still healthy with the same options, else a fresh one. A cluster start is seconds of
-    CPU for every rank (each imports torch), the largest cost of the suite on two cores."""
-
-    def __init__(self) -> None:
-        self._clusters: dict[tuple[int, float], tuple[axon_nb.Cluster, object]] = {}
-
-    def get(self, n: int, timeout: float = 120) -> axon_nb.Cluster:
-        key = (n, timeout)
-        if key in self._clusters:
-            cluster, options = self._clusters.pop(key)
-            if self._healthy(cluster, options):
-                self._clusters[key] = (cluster, options)
-                return cluster
-            cluster.stop(keep_warm=True)  # (the next one's engines are forked at once)
-        cluster = axon_nb.Cluster(n=n, timeout=timeout).start()
-        self._clusters[key] = (cluster, dataclasses.replace(cluster.options))
-        return cluster
-
-    @staticmethod
-    def _healthy(cluster: axon_nb.Cluster, options: object) -> bool:
-        """Running with the options it was started with (a test may stop, resize or break
-        it; one that restarted it or recovered a rank hands back a cluster as good as new),
-        nothing left going on its ranks, and every rank in one world; the runs an earlier
-        module left on the ranks are dropped."""
-        n = cluster.options.n
-        if not cluster.running or cluster.options != options:
-            return False
-        if len(cluster.ranks) != n or cluster._client.outstanding:  # a run left going
-            return False
-        try:
-            return cluster.run(fresh_world_sum, stream=False) == [n] * n
-        except Exception:
-            return False
-
-    def close(self) -> None:
-        for cluster, _ in self._clusters.values():
-            cluster.stop()
-        self._clusters.clear()
-
-
 @pytest.fixture(scope="session")
 def cluster_pool() -> Iterator[ClusterPool]:
     pool = ClusterPool()
@@ -107,15 +63,15 @@ def no_pooled_clusters(cluster_pool: ClusterPool) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster(cluster_pool: ClusterPool) -> axon_nb.Cluster:
-    """Two MPI ranks on gloo, shared by a module's tests and with later modules (a module may
-    define its own)."""
+def pooled_cluster_2(cluster_pool: ClusterPool) -> axon_nb.Cluster:
+    """Two MPI ranks on gloo from the pool: shared by a module's tests and with later modules
+    (started anew only when an earlier module left it unhealthy)."""
     return cluster_pool.get(2)
 
 
 @pytest.fixture(scope="module")
-def cluster4(cluster_pool: ClusterPool) -> axon_nb.Cluster:
-    """Four MPI ranks on gloo, shared by a module's tests and with later modules."""
+def pooled_cluster_4(cluster_pool: ClusterPool) -> axon_nb.Cluster:
+    """Four MPI ranks on gloo from the pool, shared like ``pooled_cluster_2``."""
     return cluster_pool.get(4)
 
 
@@ -129,8 +85,8 @@ def shell() -> Iterator[InteractiveShell]:
 
 
 SLOW_FIRST = (
-    "test_binder.py", "test_recovery.py", "test_train_model_parallel.py", "test_relayout.py",
-    "test_hosts.py", "test_hang.py",
+    "test_docs.py", "test_binder.py", "test_recovery.py", "test_train_model_parallel.py",
+    "test_relayout.py", "test_hosts.py", "test_hang.py",
     "test_stop.py", "test_train_fsdp.py", "test_kernel_exit.py", "test_lifecycle.py",
     "test_interrupts.py", "test_checkpoint.py", "test_train_ddp.py", "test_hf_models.py",
     "test_predictions.py", "test_rescue.py",

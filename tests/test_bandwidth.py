@@ -10,14 +10,9 @@ from axon_nb.cluster.bandwidth import COLLECTIVES, parse_sizes
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def cluster(cluster4: axon_nb.Cluster) -> axon_nb.Cluster:
-    return cluster4
-
-
-def test_every_collective_gets_time_algbw_and_busbw(cluster: axon_nb.Cluster) -> None:
-    report = cluster.bandwidth(sizes="4K:64K", iters=3, warmup=1)
-    assert cluster.bandwidth_results is report
+def test_every_collective_gets_time_algbw_and_busbw(pooled_cluster_4: axon_nb.Cluster) -> None:
+    report = pooled_cluster_4.bandwidth(sizes="4K:64K", iters=3, warmup=1)
+    assert pooled_cluster_4.bandwidth_results is report
     assert {(r["collective"], r["bytes"]) for r in report.rows} == {
         (c, s) for c in COLLECTIVES for s in (4096, 8192, 16384, 32768, 65536)
     }
@@ -41,17 +36,17 @@ def test_every_collective_gets_time_algbw_and_busbw(cluster: axon_nb.Cluster) ->
     assert "<svg" in page and page.count("<tr>") == len(report.rows) + 1
 
 
-def test_sizes_and_collectives_are_checked(cluster: axon_nb.Cluster) -> None:
+def test_sizes_and_collectives_are_checked(pooled_cluster_4: axon_nb.Cluster) -> None:
     assert parse_sizes("1K:8K") == [1024, 2048, 4096, 8192]
     assert parse_sizes("64M:64M") == [2**26]
     with pytest.raises(ValueError, match="first size is larger than the last"):
-        cluster.bandwidth(sizes="8K:1K")
+        pooled_cluster_4.bandwidth(sizes="8K:1K")
     with pytest.raises(ValueError, match="sizes must look like 1K:256M"):
-        cluster.bandwidth(sizes="1K")
+        pooled_cluster_4.bandwidth(sizes="1K")
     with pytest.raises(ValueError, match=r"between 4 bytes and 8G, got \[2\]"):
-        cluster.bandwidth(sizes=[2, 1024])
+        pooled_cluster_4.bandwidth(sizes=[2, 1024])
     with pytest.raises(ValueError, match=r"unknown collective\(s\) \['gather'\]"):
-        cluster.bandwidth(["all_reduce", "gather"])
+        pooled_cluster_4.bandwidth(["all_reduce", "gather"])
     with pytest.raises(ValueError, match="iters must be an integer >= 1"):
-        cluster.bandwidth(iters=0)
-    assert cluster.run(lambda: 1, stream=False) == [1, 1, 1, 1]  # nothing was left running
+        pooled_cluster_4.bandwidth(iters=0)
+    assert pooled_cluster_4.run(lambda: 1, stream=False) == [1, 1, 1, 1]  # nothing was left running

@@ -75,9 +75,9 @@ def _train(cluster: axon_nb.Cluster, strategy: Any, steps: int, name: str, **kw:
          "ddp-sharded", "tp-sharded", "tp+sp-full", "pipeline-sharded", "gpipe-full"],
 )  # fmt: skip
 def test_save_load_continue_equals_an_uninterrupted_run(
-    cluster: axon_nb.Cluster, tmp_path: Path, strategy: Any, kind: str
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path, strategy: Any, kind: str
 ) -> None:
-    _round_trip(cluster, tmp_path / "ckpt", strategy, kind)
+    _round_trip(pooled_cluster_2, tmp_path / "ckpt", strategy, kind)
 
 
 @pytest.mark.parametrize(
@@ -86,9 +86,9 @@ def test_save_load_continue_equals_an_uninterrupted_run(
     ids=["dp2xpp2-sharded", "tp2xpp2-full"],
 )
 def test_hybrid_runs_resume_bit_for_bit(
-    cluster4: axon_nb.Cluster, tmp_path: Path, strategy: Any, kind: str
+    pooled_cluster_4: axon_nb.Cluster, tmp_path: Path, strategy: Any, kind: str
 ) -> None:
-    _round_trip(cluster4, tmp_path / "ckpt", strategy, kind)
+    _round_trip(pooled_cluster_4, tmp_path / "ckpt", strategy, kind)
 
 
 def _round_trip(cluster: axon_nb.Cluster, path: Path, strategy: Any, kind: str) -> None:
@@ -116,13 +116,16 @@ def _round_trip(cluster: axon_nb.Cluster, path: Path, strategy: Any, kind: str) 
     ids=["fsdp-sharded", "zero2-sharded", "fsdp-full", "pipeline-sharded"],
 )
 def test_checkpoints_load_on_another_world_size(
-    cluster: axon_nb.Cluster,
-    cluster4: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
+    pooled_cluster_4: axon_nb.Cluster,
     tmp_path: Path,
     strategy: Any,
     kind: str,
 ) -> None:
-    for source, target in ((cluster, cluster4), (cluster4, cluster)):
+    for source, target in (
+        (pooled_cluster_2, pooled_cluster_4),
+        (pooled_cluster_4, pooled_cluster_2),
+    ):
         path = tmp_path / f"from{len(source.ranks)}"
         _train(source, strategy, 5, "a")
         source.save(path, kind, name="a")
@@ -159,65 +162,65 @@ def _restore_save() -> None:
 
 
 def test_a_failed_save_removes_its_partial_directory_and_keeps_the_old_checkpoint(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
     path = tmp_path / "ckpt"
-    _train(cluster, FSDP(), 3, "a")
-    cluster.save(path, "sharded", name="a")
-    _train(cluster, FSDP(), 2, "a", resume=True)
-    cluster.run(_fail_at, "_complete", stream=False)
+    _train(pooled_cluster_2, FSDP(), 3, "a")
+    pooled_cluster_2.save(path, "sharded", name="a")
+    _train(pooled_cluster_2, FSDP(), 2, "a", resume=True)
+    pooled_cluster_2.run(_fail_at, "_complete", stream=False)
     try:
         with pytest.raises(axon_nb.RankError, match="disk full"):
-            cluster.save(path, "sharded", name="a", overwrite=True)
+            pooled_cluster_2.save(path, "sharded", name="a", overwrite=True)
         with pytest.raises(axon_nb.RankError, match="disk full"):
-            cluster.save(tmp_path / "other", "full", name="a")
+            pooled_cluster_2.save(tmp_path / "other", "full", name="a")
     finally:
-        cluster.run(_restore_save, stream=False)
+        pooled_cluster_2.run(_restore_save, stream=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no partial directory left
     assert Checkpoint.read(path).step == 3  # the one it was to replace is untouched
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        cluster.load(tmp_path / "other", name="a")
-    _train(cluster, FSDP(), 0, "b")
-    assert cluster.load(path, name="b").step == 3
+        pooled_cluster_2.load(tmp_path / "other", name="a")
+    _train(pooled_cluster_2, FSDP(), 0, "b")
+    assert pooled_cluster_2.load(path, name="b").step == 3
 
 
 def test_an_interrupted_write_is_never_taken_for_complete(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
     """The kernel died during the save, so nobody removed the partial directory."""
     from axon_nb.rank import entry
 
     path = tmp_path / "ckpt"
-    _train(cluster, FSDP(), 2, "a")
+    _train(pooled_cluster_2, FSDP(), 2, "a")
     target = plan_save(path, "sharded", overwrite=False)
     target.create_partial()
-    cluster.run(_fail_at, "_complete", stream=False)
+    pooled_cluster_2.run(_fail_at, "_complete", stream=False)
     try:
-        ar = cluster.view(cluster.targets()).apply_async(entry.save_checkpoint, "a", target)
+        ar = pooled_cluster_2.send(entry.save_checkpoint, "a", target).ar
         with pytest.raises(Exception, match="disk full"):
             ar.get(timeout=120)
     finally:
-        cluster.run(_restore_save, stream=False)
+        pooled_cluster_2.run(_restore_save, stream=False)
     assert (Path(target.partial) / ".metadata").exists()  # every part, no marker
     with pytest.raises(FileNotFoundError, match="never completed: its write was interrupted"):
-        cluster.load(path, name="a")
+        pooled_cluster_2.load(path, name="a")
     with pytest.raises(ValueError, match=f"not a complete axon_nb checkpoint: it has no {MARKER}"):
         Checkpoint.read(target.partial)
 
 
 def test_a_crash_between_the_renames_still_finds_a_complete_checkpoint(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
     path = tmp_path / "ckpt"
-    _train(cluster, DDP(), 3, "a")
-    cluster.save(path, "full", name="a")
-    _train(cluster, DDP(), 2, "a", resume=True)
-    cluster.run(_fail_at, "_move_in", stream=False)
+    _train(pooled_cluster_2, DDP(), 3, "a")
+    pooled_cluster_2.save(path, "full", name="a")
+    _train(pooled_cluster_2, DDP(), 2, "a", resume=True)
+    pooled_cluster_2.run(_fail_at, "_move_in", stream=False)
     try:
         with pytest.raises(axon_nb.RankError, match="disk full"):
-            cluster.save(path, "full", name="a", overwrite=True)
+            pooled_cluster_2.save(path, "full", name="a", overwrite=True)
     finally:
-        cluster.run(_restore_save, stream=False)
+        pooled_cluster_2.run(_restore_save, stream=False)
     # Nothing at the path: the old checkpoint is aside, the new one complete in its partial.
     assert not path.exists()
     (old,) = tmp_path.glob("ckpt.old-*")
@@ -225,9 +228,9 @@ def test_a_crash_between_the_renames_still_finds_a_complete_checkpoint(
     with pytest.warns(UserWarning, match=f"complete checkpoint beside it, {re.escape(str(new))}"):
         found = Checkpoint.read(path)
     assert (found.path, found.step) == (str(new), 5)  # the most recently completed one
-    _train(cluster, DDP(), 0, "b")
+    _train(pooled_cluster_2, DDP(), 0, "b")
     with pytest.warns(UserWarning, match="nothing is at"):
-        assert cluster.load(path, name="b").step == 5
+        assert pooled_cluster_2.load(path, name="b").step == 5
     shutil.rmtree(new)
     with pytest.warns(UserWarning, match=f"beside it, {re.escape(str(old))}"):
         assert Checkpoint.read(path).step == 3
@@ -252,23 +255,23 @@ def _someone_creates(what: str) -> None:
 
 
 def test_what_appears_at_the_path_during_a_save_is_left_alone(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
-    _train(cluster, DDP(), 2, "a")
+    _train(pooled_cluster_2, DDP(), 2, "a")
     for what, overwrite in (("empty", False), ("files", True)):
         path = tmp_path / what
         if overwrite:
-            cluster.save(path, "sharded", name="a")
-        cluster.run(_someone_creates, what, stream=False)
+            pooled_cluster_2.save(path, "sharded", name="a")
+        pooled_cluster_2.run(_someone_creates, what, stream=False)
         try:
             with pytest.raises(
                 axon_nb.RankError,
                 match=f"something else appeared at {re.escape(str(path))} while the "
                 "checkpoint was being written .*; it was left untouched",
             ) as e:
-                cluster.save(path, "sharded", name="a", overwrite=overwrite)
+                pooled_cluster_2.save(path, "sharded", name="a", overwrite=overwrite)
         finally:
-            cluster.run(_restore_save, stream=False)
+            pooled_cluster_2.run(_restore_save, stream=False)
         theirs = {"empty": [], "files": ["theirs.txt"]}[what]
         assert sorted(p.name for p in path.iterdir()) == theirs
         if what == "files":
@@ -276,7 +279,7 @@ def test_what_appears_at_the_path_during_a_save_is_left_alone(
         kept = re.search(r"complete in (\S+\.partial-[0-9a-f]+)", str(e.value))
         assert kept is not None
         assert Checkpoint.read(kept.group(1)).step == 2
-        assert cluster.load(kept.group(1), name="a").step == 2
+        assert pooled_cluster_2.load(kept.group(1), name="a").step == 2
 
 
 def _mode(path: Path) -> int:
@@ -284,13 +287,13 @@ def _mode(path: Path) -> int:
 
 
 def test_checkpoints_are_owner_only_unless_asked_otherwise(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
-    _train(cluster, DDP(), 1, "a")
+    _train(pooled_cluster_2, DDP(), 1, "a")
     for kind in ("full", "sharded"):
         path = tmp_path / kind
-        cluster.save(path, kind, name="a")
-        cluster.save(path, kind, name="a", overwrite=True)  # a replacement too
+        pooled_cluster_2.save(path, kind, name="a")
+        pooled_cluster_2.save(path, kind, name="a", overwrite=True)  # a replacement too
         files = list(path.iterdir())
         assert MARKER in {f.name for f in files} and len(files) >= 2
         assert _mode(path) == 0o700
@@ -298,7 +301,7 @@ def test_checkpoints_are_owner_only_unless_asked_otherwise(
     umask = os.umask(0o022)  # the ranks inherited this process's umask when they started
     os.umask(umask)
     shared = tmp_path / "shared"
-    cluster.save(shared, "sharded", name="a", private=False)
+    pooled_cluster_2.save(shared, "sharded", name="a", private=False)
     assert _mode(shared) == 0o777 & ~umask
     assert {_mode(f) for f in shared.iterdir()} == {0o666 & ~umask}
 
@@ -314,22 +317,22 @@ def _exec(code: str) -> Any:
 
 
 def test_a_planted_metadata_file_is_refused_and_never_run(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
     path, pwned = tmp_path / "ckpt", tmp_path / "pwned"
-    _train(cluster, FSDP(), 2, "a")
-    cluster.save(path, "sharded", name="a")
+    _train(pooled_cluster_2, FSDP(), 2, "a")
+    pooled_cluster_2.save(path, "sharded", name="a")
     planted = pickle.dumps(_exec(f"open({str(pwned)!r}, 'w').close()"))
     (path / ".metadata").write_bytes(planted)
-    before = cluster.run(_state, "a", stream=False)[0]
+    before = pooled_cluster_2.run(_state, "a", stream=False)[0]
     with pytest.raises(
         axon_nb.RankError,
         match=r"the checkpoint's \.metadata references builtins\.exec, which a checkpoint "
         r"never needs; it was not loaded \(it may have been tampered with\)",
     ):
-        cluster.load(path, name="a")
+        pooled_cluster_2.load(path, name="a")
     assert not pwned.exists()
-    _assert_same_state(before, cluster.run(_state, "a", stream=False)[0])
+    _assert_same_state(before, pooled_cluster_2.run(_state, "a", stream=False)[0])
     pickle.loads(planted)  # what plain unpickling (DCP's own reader) would have done
     assert pwned.exists()
 
@@ -368,37 +371,43 @@ def _params(name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in state.parallel.full_state_dict().items()}
 
 
-def test_bad_checkpoint_input_changes_nothing(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+def test_bad_checkpoint_input_changes_nothing(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
+) -> None:
     path = tmp_path / "ckpt"
-    _train(cluster, DDP(), 2, "a")
-    cluster.save(path, "sharded", name="a")
+    _train(pooled_cluster_2, DDP(), 2, "a")
+    pooled_cluster_2.save(path, "sharded", name="a")
     with pytest.raises(FileExistsError, match="pass overwrite=True to replace it"):
-        cluster.save(path, "sharded", name="a")
+        pooled_cluster_2.save(path, "sharded", name="a")
     with pytest.raises(ValueError, match="kind must be 'full' or 'sharded'"):
-        cluster.save(tmp_path / "x", "zip", name="a")
+        pooled_cluster_2.save(tmp_path / "x", "zip", name="a")
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        cluster.load(tmp_path / "nowhere", name="a")
+        pooled_cluster_2.load(tmp_path / "nowhere", name="a")
     with pytest.raises(axon_nb.RankError, match=r"no training run named 'c'.*steps=0"):
-        cluster.load(path, name="c")
+        pooled_cluster_2.load(path, name="c")
     with pytest.raises(axon_nb.RankError, match="no training run named 'c' on this rank to save"):
-        cluster.save(tmp_path / "y", name="c")
+        pooled_cluster_2.save(tmp_path / "y", name="c")
 
     # A different model: nothing is loaded, the run keeps its parameters.
-    cluster.train(**{**ARGS, "model": lambda: GPT(GPTConfig(n_embd=48))}, steps=1, name="wide")
-    before = cluster.run(_params, "wide", stream=False)[0]
+    pooled_cluster_2.train(
+        **{**ARGS, "model": lambda: GPT(GPTConfig(n_embd=48))}, steps=1, name="wide"
+    )
+    before = pooled_cluster_2.run(_params, "wide", stream=False)[0]
     with pytest.raises(axon_nb.RankError, match="does not fit run 'wide'") as e:
-        cluster.load(path, name="wide")
+        pooled_cluster_2.load(path, name="wide")
     assert "different shapes (checkpoint vs model)" in str(e.value)
     assert "Nothing was loaded; the run is unchanged" in str(e.value)
-    after = cluster.run(_params, "wide", stream=False)[0]
+    after = pooled_cluster_2.run(_params, "wide", stream=False)[0]
     assert all(torch.equal(before[k], after[k]) for k in before)
 
     # The same model with another optimizer.
-    cluster.train(**{**ARGS, "optimizer": ("sgd", {"lr": 0.1})}, strategy=DDP(), steps=1, name="s")
+    pooled_cluster_2.train(
+        **{**ARGS, "optimizer": ("sgd", {"lr": 0.1})}, strategy=DDP(), steps=1, name="s"
+    )
     with pytest.raises(
         axon_nb.RankError, match="the checkpoint's optimizer is AdamW, this run's SGD"
     ):
-        cluster.load(path, name="s")
+        pooled_cluster_2.load(path, name="s")
 
 
 class _Payload:
@@ -408,13 +417,15 @@ class _Payload:
         return (os.getcwd, ())
 
 
-def test_full_checkpoints_load_tensors_only(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+def test_full_checkpoints_load_tensors_only(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
+) -> None:
     path = tmp_path / "ckpt"
-    _train(cluster, DDP(), 1, "a")
-    cluster.save(path, "full", name="a")
+    _train(pooled_cluster_2, DDP(), 1, "a")
+    pooled_cluster_2.save(path, "full", name="a")
     blob = torch.load(path / "state.pt", weights_only=True)
     torch.save({**blob, "model": _Payload()}, path / "state.pt")
     with pytest.raises(axon_nb.RankError, match="Weights only load failed"):
-        cluster.load(path, name="a")
+        pooled_cluster_2.load(path, name="a")
     meta = json.loads((path / MARKER).read_text())
     assert meta["kind"] == "full" and meta["world_size"] == 2

@@ -17,7 +17,7 @@ from helpers import nannies as cluster_nannies
 import axon_nb
 
 if TYPE_CHECKING:
-    from conftest import ClusterPool
+    from pool import ClusterPool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -44,21 +44,21 @@ def _world() -> dict:
     }
 
 
-def test_ranks_form_one_world_with_torchrun_environment(cluster4: axon_nb.Cluster) -> None:
-    out = cluster4.run(_world)
+def test_ranks_form_one_world_with_torchrun_environment(pooled_cluster_4: axon_nb.Cluster) -> None:
+    out = pooled_cluster_4.run(_world)
     assert [o["rank"] for o in out] == [0, 1, 2, 3]
     assert [o["mpi_rank"] for o in out] == [0, 1, 2, 3]  # engine id == MPI rank == rank
     assert {o["world_size"] for o in out} == {4}
     assert {o["backend"] for o in out} == {"gloo"}
     assert {o["sum"] for o in out} == {10.0}
-    assert {o["timeout_s"] for o in out} == {int(cluster4.options.timeout)}
+    assert {o["timeout_s"] for o in out} == {int(pooled_cluster_4.options.timeout)}
     for r, o in enumerate(out):
         env = o["env"]
         assert (env["RANK"], env["WORLD_SIZE"]) == (str(r), "4")
         assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (str(r), "4")  # one host
         assert env["MASTER_ADDR"] == "127.0.0.1"  # loopback: every rank is local
     assert len({o["env"]["MASTER_PORT"] for o in out}) == 1
-    assert [r["device"] for r in cluster4.ranks] == ["cpu"] * 4
+    assert [r["device"] for r in pooled_cluster_4.ranks] == ["cpu"] * 4
 
 
 def _imported(module: str) -> bool:
@@ -76,19 +76,19 @@ def test_the_pools_health_check_does_not_import_conftest_on_the_ranks(
     assert cluster.run(_imported, "conftest", stream=False) == [False, False]
 
 
-def test_run_passes_arguments_and_selects_ranks(cluster4: axon_nb.Cluster) -> None:
+def test_run_passes_arguments_and_selects_ranks(pooled_cluster_4: axon_nb.Cluster) -> None:
     def scaled(x: int, *, y: int) -> int:
         import torch.distributed as dist
 
         return dist.get_rank() * x + y
 
-    assert cluster4.run(scaled, 10, y=1) == [1, 11, 21, 31]
-    assert cluster4.run(scaled, 10, y=0, ranks=[3, 1]) == [10, 30]
+    assert pooled_cluster_4.run(scaled, 10, y=1) == [1, 11, 21, 31]
+    assert pooled_cluster_4.run(scaled, 10, y=0, ranks=[3, 1]) == [10, 30]
     with pytest.raises(ValueError, match=r"subset of 0\.\.3"):
-        cluster4.run(scaled, 1, y=0, ranks=[4])
+        pooled_cluster_4.run(scaled, 1, y=0, ranks=[4])
 
 
-def test_error_names_the_rank_that_raised_first(cluster4: axon_nb.Cluster) -> None:
+def test_error_names_the_rank_that_raised_first(pooled_cluster_4: axon_nb.Cluster) -> None:
     def fail_on_two() -> None:
         import torch
         import torch.distributed as dist
@@ -98,13 +98,13 @@ def test_error_names_the_rank_that_raised_first(cluster4: axon_nb.Cluster) -> No
         dist.all_reduce(torch.ones(1))  # the others wait for rank 2, which never comes
 
     with pytest.raises(axon_nb.RankError) as info:
-        cluster4.run(fail_on_two, stream=False)
+        pooled_cluster_4.run(fail_on_two, stream=False)
     assert info.value.rank == 2
     assert info.value.ename == "ValueError"
     assert "bad shard on this rank" in info.value.traceback
     assert "rank 2 raised ValueError" in "\n".join(info.value._render_traceback_())
     # The ranks left waiting in the collective were released: the world still works.
-    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
 
 
 def _fail_on_two_and_leave_slowly() -> None:
@@ -132,7 +132,7 @@ def _fail_on_two_and_leave_slowly() -> None:
 
 
 def test_ranks_slow_to_leave_a_failed_collective_do_not_leave_a_peer_stuck(
-    cluster4: axon_nb.Cluster,
+    pooled_cluster_4: axon_nb.Cluster,
 ) -> None:
     """Releasing a collective goes round by round (rank 2's connections free ranks 1 and 3,
     theirs free rank 0). Once, under load, a round freed nobody within its second and the
@@ -140,9 +140,9 @@ def test_ranks_slow_to_leave_a_failed_collective_do_not_leave_a_peer_stuck(
     the next call waited for it."""
     started = time.monotonic()
     with pytest.raises(axon_nb.RankError) as info:
-        cluster4.run(_fail_on_two_and_leave_slowly, stream=False)
+        pooled_cluster_4.run(_fail_on_two_and_leave_slowly, stream=False)
     assert info.value.rank == 2
-    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
     assert time.monotonic() - started < 40
 
 
@@ -157,15 +157,15 @@ def _allreduce_forever() -> None:
 
 
 def test_ctrl_c_interrupts_all_ranks_and_the_world_stays_usable(
-    cluster4: axon_nb.Cluster,
+    pooled_cluster_4: axon_nb.Cluster,
 ) -> None:
     timer = threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGINT))
     timer.start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        cluster4.run(_allreduce_forever)
+        pooled_cluster_4.run(_allreduce_forever)
     assert time.monotonic() - started < 30
-    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
 
 
 def _one_rank_a_collective_ahead(ready: str) -> None:
@@ -186,20 +186,20 @@ def _ctrl_c_when_all_exist(paths: list[Path]) -> None:
 
 
 def test_ctrl_c_after_ranks_issued_different_collectives_re_forms_the_world(
-    cluster4: axon_nb.Cluster, capfd: pytest.CaptureFixture[str], tmp_path: Path
+    pooled_cluster_4: axon_nb.Cluster, capfd: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """Without the re-forming, the next all-reduce pairs with rank 3's stale one: gloo aborts
     the rank ("Received data size doesn't match")."""
     ready = tmp_path / "ready"
     _ctrl_c_when_all_exist([Path(f"{ready}-{r}") for r in range(4)])
     with pytest.raises(KeyboardInterrupt):
-        cluster4.run(_one_rank_a_collective_ahead, str(ready))
+        pooled_cluster_4.run(_one_rank_a_collective_ahead, str(ready))
     assert "the process group was re-formed" in capfd.readouterr().err
-    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
 
 
 def test_a_second_ctrl_c_while_the_world_re_forms_waits_for_it(
-    cluster4: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    pooled_cluster_4: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The fuzz's one failure in 200 (seed 13): the second of a quick pair of interrupts
     landed while the ranks were joining the new group, and left them with none."""
@@ -215,9 +215,9 @@ def test_a_second_ctrl_c_while_the_world_re_forms_waits_for_it(
     ready = tmp_path / "ready"
     _ctrl_c_when_all_exist([Path(f"{ready}-{r}") for r in range(4)])
     with pytest.raises(KeyboardInterrupt):
-        cluster4.run(_one_rank_a_collective_ahead, str(ready))
+        pooled_cluster_4.run(_one_rank_a_collective_ahead, str(ready))
     monkeypatch.undo()
-    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
 
 
 def _fail_after_rank_3_issued_a_collective() -> None:
@@ -230,50 +230,54 @@ def _fail_after_rank_3_issued_a_collective() -> None:
 
 
 def test_ranks_that_failed_after_different_collectives_are_back_in_step(
-    cluster4: axon_nb.Cluster,
+    pooled_cluster_4: axon_nb.Cluster,
 ) -> None:
     """As an interrupt before the training loop's first step left them: without the check,
     the next collective pairs with rank 3's stale one and gloo aborts the rank."""
     with pytest.raises(axon_nb.RankError, match="ValueError"):
-        cluster4.run(_fail_after_rank_3_issued_a_collective)
-    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
+        pooled_cluster_4.run(_fail_after_rank_3_issued_a_collective)
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
 
 
-def test_killed_engine_is_named_and_restart_recovers(cluster4: axon_nb.Cluster) -> None:
-    old = engine_pids(cluster4)
+def test_killed_engine_is_named_and_restart_recovers(pooled_cluster_4: axon_nb.Cluster) -> None:
+    old = engine_pids(pooled_cluster_4)
     timer = threading.Timer(1.5, os.kill, (old[3], signal.SIGKILL))
     timer.start()
     started = time.monotonic()
     with pytest.raises(axon_nb.RankDiedError) as info:
-        cluster4.run(time.sleep, 60)
+        pooled_cluster_4.run(time.sleep, 60)
     assert time.monotonic() - started < 15  # within seconds, not at the task's end
     assert info.value.rank == 3
     assert "--restart" in str(info.value)
-    assert f"The cluster's log ({cluster4.log.path}) ends:" in str(info.value)  # its last words
+    assert f"The cluster's log ({pooled_cluster_4.log.path}) ends:" in str(
+        info.value
+    )  # its last words
     with pytest.raises(axon_nb.ClusterBrokenError, match="rank 3 died \\(its output: "):
-        cluster4.run(_world)
+        pooled_cluster_4.run(_world)
 
-    cluster4.restart()
+    pooled_cluster_4.restart()
     assert wait_gone(old) == []
-    assert {o["sum"] for o in cluster4.run(_world)} == {10.0}
-    assert set(engine_pids(cluster4)).isdisjoint(old)
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
+    assert set(engine_pids(pooled_cluster_4)).isdisjoint(old)
 
 
-def test_a_rank_killed_between_calls_is_named_at_the_next_call(cluster: axon_nb.Cluster) -> None:
+def test_a_rank_killed_between_calls_is_named_at_the_next_call(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     """Killed while idle (the OOM killer, a `kill`): the next call says which rank died and
     what to do (it was ipyparallel's ``KeyError: 1``), and restarting brings the world back."""
-    old = engine_pids(cluster)
+    old = engine_pids(pooled_cluster_2)
     os.kill(old[1], signal.SIGKILL)
     assert wait_gone([old[1]]) == []
     with pytest.raises(axon_nb.RankDiedError, match="rank 1 died between calls") as info:
-        cluster.run(_world)
+        pooled_cluster_2.run(_world)
     assert "--restart" in str(info.value) and "cluster.rescue(path)" in str(info.value)
-    assert cluster.survivors() == ([0], [1])
+    assert pooled_cluster_2.survivors() == ([0], [1])
     with pytest.raises(axon_nb.ClusterBrokenError, match="rank 1 died \\(its output: "):
-        cluster.run(_world)
-    cluster.restart()
+        pooled_cluster_2.run(_world)
+    pooled_cluster_2.restart()
     assert wait_gone(old) == []
-    assert {o["sum"] for o in cluster.run(_world)} == {3.0}
+    assert {o["sum"] for o in pooled_cluster_2.run(_world)} == {3.0}
 
 
 def _peer_fails_first_then_rank_1_dies(seen: str) -> None:
@@ -296,7 +300,7 @@ def _peer_fails_first_then_rank_1_dies(seen: str) -> None:
 
 
 def test_a_death_is_reported_as_the_cause_even_when_a_peers_error_comes_first(
-    cluster: axon_nb.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from axon_nb.cluster import waiting
 
@@ -309,13 +313,13 @@ def test_a_death_is_reported_as_the_cause_even_when_a_peers_error_comes_first(
 
     monkeypatch.setattr(waiting, "_settle_after_failure", settle_once_seen)
     with pytest.raises(axon_nb.RankDiedError, match="rank 1 died while running") as info:
-        cluster.run(_peer_fails_first_then_rank_1_dies, str(seen))
+        pooled_cluster_2.run(_peer_fails_first_then_rank_1_dies, str(seen))
     monkeypatch.undo()
     assert info.value.failed_ranks[0] == 0  # rank 0's error came in first
     with pytest.raises(axon_nb.ClusterBrokenError, match="rank 1 died"):
-        cluster.run(_world)  # the world is known to be broken
-    cluster.restart()
-    assert {o["sum"] for o in cluster.run(_world)} == {3.0}
+        pooled_cluster_2.run(_world)  # the world is known to be broken
+    pooled_cluster_2.restart()
+    assert {o["sum"] for o in pooled_cluster_2.run(_world)} == {3.0}
 
 
 @pytest.mark.timeout(120)
@@ -347,7 +351,9 @@ def test_kernel_side_never_imports_torch() -> None:
 
 
 def test_a_nanny_that_does_not_answer_does_not_hold_up_the_kernel(
-    cluster: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    pooled_cluster_2: axon_nb.Cluster,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Ctrl-C reaches the ranks through their nannies; ipyparallel's blocking send_signal
     waited for ever for a nanny's answer, and the interrupted cell with it."""
@@ -355,14 +361,14 @@ def test_a_nanny_that_does_not_answer_does_not_hold_up_the_kernel(
     from axon_nb.cluster import control
 
     monkeypatch.setattr(control, "SIGNAL_REPLY_S", 2.0, raising=False)
-    nannies = cluster_nannies(cluster)
+    nannies = cluster_nannies(pooled_cluster_2)
     assert len(nannies) == 2
     nannies[0].suspend()
     try:
         started = time.monotonic()
-        control.Control(cluster.client, [0, 1]).signal([0, 1], signal.SIGCONT)
+        control.Control(pooled_cluster_2.client, [0, 1]).signal([0, 1], signal.SIGCONT)
         assert time.monotonic() - started < 10
     finally:
         nannies[0].resume()
     assert f"did not confirm signal {int(signal.SIGCONT)} within 2 s" in capsys.readouterr().err
-    assert {o["sum"] for o in cluster.run(_world)} == {3.0}
+    assert {o["sum"] for o in pooled_cluster_2.run(_world)} == {3.0}

@@ -12,9 +12,11 @@ from axon_nb import DDP, FSDP, Hybrid, LocalSGD, Pipeline, ZeRO
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
-def test_strategies_side_by_side_and_failures_in_their_rows(cluster: axon_nb.Cluster) -> None:
+def test_strategies_side_by_side_and_failures_in_their_rows(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     params = sum(p.numel() for p in make_mlp().parameters())
-    table = cluster.compare(
+    table = pooled_cluster_2.compare(
         [DDP(), ZeRO(stage=2), FSDP(), Hybrid(dp=2, tp=2), Pipeline(microbatches=3),
          LocalSGD(period=2)],
         model=make_mlp, data=make_data, loss=mse, batch_size=32, steps=6, warmup=2,
@@ -32,15 +34,17 @@ def test_strategies_side_by_side_and_failures_in_their_rows(cluster: axon_nb.Clu
     text = str(table)
     assert text.splitlines()[0].split()[:2] == ["strategy", "samples/s"]
     assert "<table>" in table._repr_html_()
-    runs = cluster.run(_runs, stream=False)
+    runs = pooled_cluster_2.run(_runs, stream=False)
     assert runs == [{}, {}]
 
 
-def test_compare_refuses_what_it_sets_itself(cluster: axon_nb.Cluster) -> None:
+def test_compare_refuses_what_it_sets_itself(pooled_cluster_2: axon_nb.Cluster) -> None:
     with pytest.raises(TypeError, match="unexpected keyword argument 'strategy'"):
-        cluster.compare([DDP()], strategy=DDP(), model=make_mlp, data=make_data, batch_size=8)
+        pooled_cluster_2.compare(
+            [DDP()], strategy=DDP(), model=make_mlp, data=make_data, batch_size=8
+        )
     with pytest.raises(ValueError, match="needs a list of strategies"):
-        cluster.compare([], model=make_mlp, data=make_data, batch_size=8)
+        pooled_cluster_2.compare([], model=make_mlp, data=make_data, batch_size=8)
 
 
 def _runs() -> dict:

@@ -3,7 +3,7 @@ and training equals the uncompiled one-process reference within float tolerance.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from equivalence import check_equal
@@ -13,6 +13,9 @@ import axon_nb
 from axon_nb import DDP, FSDP, Pipeline, TensorParallel, ZeRO
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 from axon_nb.parallel.compile import apply_compile
+
+if TYPE_CHECKING:
+    from pool import ClusterPool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
@@ -31,8 +34,9 @@ TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def cluster(cluster_pool: Any) -> axon_nb.Cluster:
-    return cluster_pool.get(2, timeout=300)  # (the first compile keeps a peer waiting)
+def pooled_cluster_2_long_timeout(cluster_pool: ClusterPool) -> axon_nb.Cluster:
+    """Two pooled ranks whose calls wait 300 s (the first compile keeps a peer waiting)."""
+    return cluster_pool.get(2, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +66,14 @@ def _graphs_compiled() -> int:
     ids=["ddp", "fsdp", "zero2", "pipeline", "tensor"],
 )
 def test_compiled_blocks_train_as_the_uncompiled_model(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
+    pooled_cluster_2_long_timeout: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
 ) -> None:
-    cluster.run(_forget_compiled, stream=False)
+    pooled_cluster_2_long_timeout.run(_forget_compiled, stream=False)
     args = {**ARGS, "strategy": strategy, "compile": True}
-    check_equal(cluster, reference, args, loss_tol=TOL, param_tol=TOL)
-    assert all(cluster.run(_graphs_compiled, stream=False))  # it did run compiled
+    check_equal(pooled_cluster_2_long_timeout, reference, args, loss_tol=TOL, param_tol=TOL)
+    assert all(
+        pooled_cluster_2_long_timeout.run(_graphs_compiled, stream=False)
+    )  # it did run compiled
 
 
 def test_a_model_without_blocks_is_compiled_whole() -> None:

@@ -1,39 +1,19 @@
-"""The dashboard fed with a recorded metrics stream (2 ranks): widget state, throttling,
-evaluation points, layout changes, export.
-
-The stream in ``data/stream_2ranks.json`` was recorded from real runs (``TrainHandle``'s
-listener): one finished 120-step run, and one where rank 1 raised at its 60th loss call.
-``with_evals`` adds evaluations to its records, as runs with ``eval_data`` report them.
-"""
+"""The dashboard fed with a recorded metrics stream (2 ranks, ``recorded_stream.py``): widget
+state, throttling, evaluation points, layout changes, export."""
 
 from __future__ import annotations
 
 import copy
-import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from recorded_stream import EVAL_EVERY, MOVE, STREAM, with_evals, with_layout_change
 
 from axon_nb.train.result import build_result
 from axon_nb.widgets._state import DashboardState
 from axon_nb.widgets.dashboard import Dashboard
-
-STREAM = json.loads((Path(__file__).parent / "data" / "stream_2ranks.json").read_text())
-EVAL_EVERY = 20
-
-
-def with_evals(run: dict[str, Any], every: int = EVAL_EVERY) -> dict[str, Any]:
-    """The recorded run, its records at every ``every``-th step carrying an evaluation (the
-    same on both ranks, as the ranks report it)."""
-    run = copy.deepcopy(run)
-    for _, message in run["messages"]:
-        for record in message["records"]:
-            if record["step"] % every == 0:
-                loss = 1.1 * record["loss"] + 0.05
-                record["eval"] = {"loss": loss, "accuracy": record["step"] / 200, "samples": 256}
-    return run
 
 
 def _feed(dashboard: Dashboard, run: dict[str, Any]) -> None:
@@ -179,20 +159,6 @@ def test_a_rank_that_goes_silent_turns_stalled_without_new_messages() -> None:
     board._last_update = float("-inf")  # as if IDLE_REFRESH_S had passed
     board.tick()
     assert board.ranks[0]["status"] == "stalled"
-
-
-MOVE = {"step": 0, "from": "DDP()", "to": "FSDP()", "seconds": 2.0}
-"""A resumed call's layout change, as its every publication carries it (``step``: where the
-call began, so its curve starts just after the marker)."""
-
-
-def with_layout_change(run: dict[str, Any], change: dict[str, Any] = MOVE) -> dict[str, Any]:
-    """The recorded run as a ``resume=True`` call under a new strategy publishes it."""
-    run = copy.deepcopy(run)
-    for _, message in run["messages"]:
-        assert message["start_step"] == change["step"]
-        message["layout_change"] = dict(change)
-    return run
 
 
 def test_a_layout_change_is_marked_once_in_the_synced_state_the_export_and_the_plot(

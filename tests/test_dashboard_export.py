@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from lab_server import ARTIFACTS, CHROMIUM, missing
-from test_dashboard import EVAL_EVERY, STREAM, with_evals
+from recorded_stream import EVAL_EVERY, STREAM, with_evals
 
 from axon_nb.widgets import export
 from axon_nb.widgets.dashboard import Dashboard

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from lab_server import ARTIFACTS, CHROMIUM, ROOT, missing
-from test_dashboard import MOVE, STREAM, with_layout_change
+from recorded_stream import MOVE, STREAM, with_layout_change
 
 from axon_nb.widgets.dashboard import Dashboard
 
@@ -49,7 +49,7 @@ RENDER = """async ([source, state]) => {
 
 
 @pytest.fixture(scope="module")
-def page() -> Iterator[Any]:
+def browser_page() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -69,36 +69,40 @@ def _synced(run: dict[str, Any]) -> dict[str, Any]:
     return {name: getattr(board, name) for name in TRAITS}
 
 
-def test_the_loss_chart_marks_a_layout_change_at_its_step(page: Any) -> None:
-    page.set_content(f"<html><head><style>{CSS.read_text()}</style></head><body></body></html>")
+def test_the_loss_chart_marks_a_layout_change_at_its_step(browser_page: Any) -> None:
+    browser_page.set_content(
+        f"<html><head><style>{CSS.read_text()}</style></head><body></body></html>"
+    )
     state = _synced(with_layout_change(STREAM["finished"]))
-    page.evaluate(RENDER, [VIEW.read_text(), state])
-    mark = page.locator(".axon-chart g.axon-layout-change")
+    browser_page.evaluate(RENDER, [VIEW.read_text(), state])
+    mark = browser_page.locator(".axon-chart g.axon-layout-change")
     assert mark.count() == 1 and mark.get_attribute("data-step") == str(MOVE["step"])
     assert mark.locator("text.axon-layout-label").text_content() == "DDP() → FSDP()"
     assert mark.locator("line").get_attribute("x1") == "48"  # the left edge: where the call began
-    assert page.locator(".axon-layout-text").text_content() == (
+    assert browser_page.locator(".axon-layout-text").text_content() == (
         "layout: DDP() → FSDP() at step 0 (moved in 2.0 s)"
     )
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.locator(".axon-loss").screenshot(path=str(ARTIFACTS / "dashboard-layout-change.png"))
+    browser_page.locator(".axon-loss").screenshot(
+        path=str(ARTIFACTS / "dashboard-layout-change.png")
+    )
 
 
-def test_a_layout_change_synced_after_the_chart_is_drawn_is_marked(page: Any) -> None:
-    page.set_content("<html><body></body></html>")
+def test_a_layout_change_synced_after_the_chart_is_drawn_is_marked(browser_page: Any) -> None:
+    browser_page.set_content("<html><body></body></html>")
     state = _synced(STREAM["finished"])
     assert state["layout_changes"] == []
-    page.evaluate(RENDER, [VIEW.read_text(), state])
-    assert page.locator(".axon-layout-change").count() == 0
-    assert page.locator(".axon-chart path.axon-loss-line").count() == 1
-    page.evaluate("(change) => window.model.set('layout_changes', [change])", MOVE)
-    assert page.locator(".axon-chart g.axon-layout-change").count() == 1
+    browser_page.evaluate(RENDER, [VIEW.read_text(), state])
+    assert browser_page.locator(".axon-layout-change").count() == 0
+    assert browser_page.locator(".axon-chart path.axon-loss-line").count() == 1
+    browser_page.evaluate("(change) => window.model.set('layout_changes', [change])", MOVE)
+    assert browser_page.locator(".axon-chart g.axon-layout-change").count() == 1
 
 
 @pytest.mark.skipif(not FORMAT.exists(), reason="needs the built extension (make extension)")
-def test_the_sidebar_sparkline_marks_a_layout_change_at_its_start(page: Any) -> None:
-    page.set_content("<html><body></body></html>")
-    marks = page.evaluate(
+def test_the_sidebar_sparkline_marks_a_layout_change_at_its_start(browser_page: Any) -> None:
+    browser_page.set_content("<html><body></body></html>")
+    marks = browser_page.evaluate(
         """async ([source, move]) => {
           const url = URL.createObjectURL(new Blob([source], { type: "text/javascript" }));
           const { sparkline } = await import(url);

@@ -58,65 +58,69 @@ def _rows_held() -> int:
     return len(trainstate.get("model").dataset)
 
 
-def test_the_ranks_are_the_dask_workers_on_loopback(cluster: axon_nb.Cluster) -> None:
-    client = cluster.dask()
+def test_the_ranks_are_the_dask_workers_on_loopback(pooled_cluster_2: axon_nb.Cluster) -> None:
+    client = pooled_cluster_2.dask()
     info = client.scheduler_info(n_workers=-1)
     assert sorted(w["name"] for w in info["workers"].values()) == ["rank-0", "rank-1"]
     pids = {w["name"]: w.get("pid") for w in info["workers"].values()}
     by_pid = client.run(lambda: __import__("os").getpid())
-    assert sorted(by_pid.values()) == sorted(r["pid"] for r in cluster.ranks)  # in the engines
+    assert sorted(by_pid.values()) == sorted(
+        r["pid"] for r in pooled_cluster_2.ranks
+    )  # in the engines
     hosts = {urlsplit(a).hostname for a in [client.scheduler.address, *info["workers"]]}
     assert hosts == {"127.0.0.1"}
     assert client.scheduler.address.startswith("tls://")  # (tests/test_security.py: refused)
-    assert cluster.dask() is client  # made once
-    assert "dask scheduler" in cluster.exposure()
+    assert pooled_cluster_2.dask() is client  # made once
+    assert "dask scheduler" in pooled_cluster_2.exposure()
     assert pids  # named per rank
     # dask work runs on the ranks
     assert dask.compute(da.ones(100, chunks=10).sum(), scheduler=client)[0] == 100
 
 
 def test_a_dataframe_trains_as_in_one_process_each_rank_keeping_its_half(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     args = {**ARGS, "data": frame(), "columns": (FEATURES, TARGETS)}
     ref = axon_nb.train_local(**args)
-    check_equal(cluster, ref, {**args, "strategy": DDP()}, loss_tol=1e-5, param_tol=1e-5)
-    assert cluster.run(_rows_held, stream=False) == [200, 200]  # 4 pieces of 100, 2 each
+    check_equal(pooled_cluster_2, ref, {**args, "strategy": DDP()}, loss_tol=1e-5, param_tol=1e-5)
+    assert pooled_cluster_2.run(_rows_held, stream=False) == [200, 200]  # 4 pieces of 100, 2 each
     # a sharded strategy reads the same pieces
-    check_equal(cluster, ref, {**args, "strategy": FSDP()}, loss_tol=1e-5, param_tol=1e-4)
+    check_equal(pooled_cluster_2, ref, {**args, "strategy": FSDP()}, loss_tol=1e-5, param_tol=1e-4)
 
 
-def test_array_pairs_and_bags_train_as_in_one_process(cluster: axon_nb.Cluster) -> None:
+def test_array_pairs_and_bags_train_as_in_one_process(pooled_cluster_2: axon_nb.Cluster) -> None:
     table = frame().compute()
     x = da.from_array(table[FEATURES].to_numpy(), chunks=(101, 4))
     y = da.from_array(table[TARGETS].to_numpy(), chunks=(60, 4))  # rechunked to x's rows
     ref = axon_nb.train_local(**ARGS, data=(x, y))
-    check_equal(cluster, ref, {**ARGS, "data": (x, y)}, loss_tol=1e-5, param_tol=1e-5)
+    check_equal(pooled_cluster_2, ref, {**ARGS, "data": (x, y)}, loss_tol=1e-5, param_tol=1e-5)
     items = [(row[FEATURES].to_numpy(), row[TARGETS].to_numpy()) for _, row in table.iterrows()]
     bag = db.from_sequence(items, partition_size=101)  # 4 partitions
     ref = axon_nb.train_local(**ARGS, data=bag)
-    check_equal(cluster, ref, {**ARGS, "data": bag}, loss_tol=1e-5, param_tol=1e-5)
+    check_equal(pooled_cluster_2, ref, {**ARGS, "data": bag}, loss_tol=1e-5, param_tol=1e-5)
 
 
-def test_bad_collections_say_what_is_wrong_and_leave_nothing(cluster: axon_nb.Cluster) -> None:
+def test_bad_collections_say_what_is_wrong_and_leave_nothing(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     df = frame()
-    client = cluster.dask()
+    client = pooled_cluster_2.dask()
     held = set(client.who_has())  # the last run's rows
     with pytest.raises(ValueError, match=r"no column 'nope'; the columns are \['f0'"):
-        cluster.train(**ARGS, data=df, columns=(FEATURES, "nope"))
+        pooled_cluster_2.train(**ARGS, data=df, columns=(FEATURES, "nope"))
     with pytest.raises(ValueError, match="needs columns=\\(features, target\\)"):
-        cluster.train(**ARGS, data=df)
+        pooled_cluster_2.train(**ARGS, data=df)
     with pytest.raises(ValueError, match=r"3 partitions; 2 data-parallel ranks .*npartitions=4"):
-        cluster.train(**ARGS, data=frame(partitions=3), columns=(FEATURES, TARGETS))
+        pooled_cluster_2.train(**ARGS, data=frame(partitions=3), columns=(FEATURES, TARGETS))
     with pytest.raises(ValueError, match="each of the 2 data-parallel ranks gets 10, fewer"):
-        cluster.train(**ARGS, data=frame(rows=20), columns=(FEATURES, TARGETS))
+        pooled_cluster_2.train(**ARGS, data=frame(rows=20), columns=(FEATURES, TARGETS))
     assert _settled(client, held)  # nothing computed for them was left behind
     # a collection persisted through a client that was closed since
     gone = client.persist(df)
     client.close()
     with pytest.raises(ValueError, match="its dask client was closed"):
-        cluster.train(**ARGS, data=gone, columns=(FEATURES, TARGETS))
-    result = cluster.train(**ARGS, data=df, columns=(FEATURES, TARGETS))  # a new client
+        pooled_cluster_2.train(**ARGS, data=gone, columns=(FEATURES, TARGETS))
+    result = pooled_cluster_2.train(**ARGS, data=df, columns=(FEATURES, TARGETS))  # a new client
     assert result.step == ARGS["steps"]
 
 
@@ -130,10 +134,10 @@ def _settled(client: Any, held: set[Any], seconds: float = 10) -> bool:
     return set(client.who_has()) == held
 
 
-def test_dask_comes_back_after_a_restart(cluster: axon_nb.Cluster) -> None:
-    before = cluster.dask()
-    cluster.restart()
-    after = cluster.dask()
+def test_dask_comes_back_after_a_restart(pooled_cluster_2: axon_nb.Cluster) -> None:
+    before = pooled_cluster_2.dask()
+    pooled_cluster_2.restart()
+    after = pooled_cluster_2.dask()
     assert after is not before and after.status == "running"
     assert len(after.scheduler_info(n_workers=-1)["workers"]) == 2
     assert before.status != "running"
@@ -147,19 +151,19 @@ def _status(link: str, route: str) -> int:
 
 
 def test_the_dask_dashboard_is_off_unless_asked_for_and_then_on_loopback(
-    cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+    pooled_cluster_2: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    client = cluster.dask()
+    client = pooled_cluster_2.dask()
     # dask's HTTP server listens (on loopback) but serves nothing: no dashboard, health,
     # call stacks, logs or metrics
     assert urlsplit(client.dashboard_link).hostname == "127.0.0.1"
     for route in ("/status", "/health", "/info/main/workers.html", "/metrics", "/sidecar"):
         assert _status(client.dashboard_link, route) == 404, route
-    with_dashboard = cluster.dask(dashboard=True)
+    with_dashboard = pooled_cluster_2.dask(dashboard=True)
     said = capsys.readouterr().out
     link = with_dashboard.dashboard_link
     assert f"dashboard on {link} (loopback only)" in said and "TLS" in said
     assert urlsplit(link).hostname == "127.0.0.1"
     assert _status(link, "/status") == 200
     assert dask.compute(da.ones(10, chunks=5).sum(), scheduler=with_dashboard)[0] == 10
-    assert cluster.dask() is with_dashboard  # kept while it serves
+    assert pooled_cluster_2.dask() is with_dashboard  # kept while it serves

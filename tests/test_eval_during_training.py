@@ -60,25 +60,31 @@ TWO_RANKS = [
 
 
 @pytest.mark.parametrize("strategy", TWO_RANKS, ids=str)
-def test_evals_equal_train_local_on_two_ranks(cluster: axon_nb.Cluster, strategy: Any) -> None:
-    _check(cluster.train(**RUN, strategy=strategy).evals)
+def test_evals_equal_train_local_on_two_ranks(
+    pooled_cluster_2: axon_nb.Cluster, strategy: Any
+) -> None:
+    _check(pooled_cluster_2.train(**RUN, strategy=strategy).evals)
 
 
 @pytest.mark.parametrize(
     "strategy", [Hybrid(dp=2, pp=2), Hybrid(dp=2, tp=2), Hybrid(tp=2, pp=2)], ids=str
 )
-def test_evals_equal_train_local_on_four_ranks(cluster4: axon_nb.Cluster, strategy: Any) -> None:
-    _check(cluster4.train(**RUN, strategy=strategy).evals)
+def test_evals_equal_train_local_on_four_ranks(
+    pooled_cluster_4: axon_nb.Cluster, strategy: Any
+) -> None:
+    _check(pooled_cluster_4.train(**RUN, strategy=strategy).evals)
 
 
-def test_the_last_step_is_evaluated_and_history_carries_it(cluster: axon_nb.Cluster) -> None:
-    result = cluster.train(**{**RUN, "eval_every": None, "steps": 3})
+def test_the_last_step_is_evaluated_and_history_carries_it(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    result = pooled_cluster_2.train(**{**RUN, "eval_every": None, "steps": 3})
     assert [e["step"] for e in result.evals] == [3]
     assert "eval" in result.history[-1] and "eval" not in result.history[0]
 
 
 def test_bad_evaluation_options_are_refused_before_anything_runs(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     base = {k: v for k, v in RUN.items() if k not in ("eval_data", "eval_every", "metrics")}
     cases = [
@@ -91,7 +97,7 @@ def test_bad_evaluation_options_are_refused_before_anything_runs(
     ]
     for options, message in cases:
         with pytest.raises(ValueError, match=message):
-            cluster.train(**base, **options)
+            pooled_cluster_2.train(**base, **options)
         with pytest.raises(ValueError, match=message):
             axon_nb.train_local(**base, **options)
 
@@ -103,16 +109,19 @@ def _step_of(name: str) -> int:
 
 
 def test_a_metric_that_is_not_a_scalar_fails_before_training_and_loses_nothing(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     base = {k: v for k, v in RUN.items() if k not in ("eval_every", "metrics", "steps")}
-    cluster.train(**base, name="kept", steps=2)
+    pooled_cluster_2.train(**base, name="kept", steps=2)
     per_token = {"per_token": lambda output, target: output.argmax(-1)}
     with pytest.raises(axon_nb.RankError, match="metric 'per_token' must return a scalar"):
-        cluster.train(**base, metrics=per_token, name="kept", resume=True, steps=2)
+        pooled_cluster_2.train(**base, metrics=per_token, name="kept", resume=True, steps=2)
     with pytest.raises(axon_nb.RankError, match="metric 'per_token' must return a scalar"):
-        cluster.train(
+        pooled_cluster_2.train(
             **base, metrics=per_token, name="kept", steps=2, strategy=Pipeline(microbatches=2)
         )
-    assert cluster.run(_step_of, "kept") == [2, 2]  # neither call trained or replaced the run
-    assert cluster.run(lambda: 1) == [1, 1]
+    assert pooled_cluster_2.run(_step_of, "kept") == [
+        2,
+        2,
+    ]  # neither call trained or replaced the run
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]

@@ -48,17 +48,21 @@ OPTIONS = {"ddp": dict(optimizer=("sgd", {"lr": 0.5})), "fsdp": dict(clip_grad_n
 
 @pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
 def test_moe_gpt_under_expert_parallel_equals_one_process(
-    cluster: axon_nb.Cluster, data_parallel: str
+    pooled_cluster_2: axon_nb.Cluster, data_parallel: str
 ) -> None:
     args = {**ARGS, **OPTIONS[data_parallel]}
     reference = axon_nb.train_local(**args)
     strategy = ExpertParallel(ep=2, data_parallel=data_parallel)
     result = check_equal(
-        cluster, reference, {**args, "strategy": strategy}, loss_tol=LOSS_TOL, param_tol=PARAM_TOL
+        pooled_cluster_2,
+        reference,
+        {**args, "strategy": strategy},
+        loss_tol=LOSS_TOL,
+        param_tol=PARAM_TOL,
     )
     assert _relative_gap(result.losses, reference.losses) < 1e-5
     # each rank keeps half of every layer's experts: [2, ...] of the [4, ...] weights
-    shapes = cluster.run(_local_expert_shapes, stream=False)
+    shapes = pooled_cluster_2.run(_local_expert_shapes, stream=False)
     assert shapes == [[2, 2, 2, 2]] * 2
     # every (token, expert) assignment of every step and layer is counted once, by the rank
     # that routed it; the dashboard's snapshot shows the latest step's
@@ -91,19 +95,25 @@ def _local_expert_shapes() -> list[int]:
     ids=["dp2xep2-ddp", "dp2xep2-fsdp", "ep2xpp2", "ep2xtp2"],
 )
 def test_hybrid_layouts_with_experts_equal_one_process(
-    cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Hybrid
+    pooled_cluster_4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Hybrid
 ) -> None:
     check_equal(
-        cluster4, reference, {**ARGS, "strategy": strategy}, loss_tol=LOSS_TOL, param_tol=PARAM_TOL
+        pooled_cluster_4,
+        reference,
+        {**ARGS, "strategy": strategy},
+        loss_tol=LOSS_TOL,
+        param_tol=PARAM_TOL,
     )
 
 
-def test_load_balancing_loss_is_trained_the_same_split_or_not(cluster: axon_nb.Cluster) -> None:
+def test_load_balancing_loss_is_trained_the_same_split_or_not(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     """With the auxiliary loss on, each rank balances its own tokens' routing, as DDP does."""
     moe = GPTConfig(n_layer=2, n_head=2, experts=4, top_k=1, aux_loss_coef=0.1)
     args = {**ARGS, "model": lambda: GPT(moe), "loss": None}
-    ddp = cluster.train(**args, strategy="ddp")
-    ep = cluster.train(**args, strategy=ExpertParallel(ep=2))
+    ddp = pooled_cluster_2.train(**args, strategy="ddp")
+    ep = pooled_cluster_2.train(**args, strategy=ExpertParallel(ep=2))
     assert _relative_gap(ep.losses, ddp.losses) < 1e-5
     assert ep.losses[-1] < ep.losses[0]
 
@@ -122,7 +132,7 @@ def _transformers_model(name: str) -> Any:
     ids=["mixtral-own-plan", "mixtral-user-plan", "qwen2_moe-own-plan", "qwen3_moe-own-plan"],
 )  # fmt: skip
 def test_tiny_transformers_moe_models_train_under_expert_parallel(
-    cluster: axon_nb.Cluster, name: str, plan: Any
+    pooled_cluster_2: axon_nb.Cluster, name: str, plan: Any
 ) -> None:
     """Random-init transformers MoE models, their own loss on dict batches: through their
     ``base_model_ep_plan`` or a plan naming the experts; each rank holds half the experts."""
@@ -131,9 +141,9 @@ def test_tiny_transformers_moe_models_train_under_expert_parallel(
 
     run = dict(model=_transformers_model(name), data=FixedTokens(), steps=12, batch_size=8,
                optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
-    result = cluster.train(**run, strategy=ExpertParallel(ep=2, plan=plan))
+    result = pooled_cluster_2.train(**run, strategy=ExpertParallel(ep=2, plan=plan))
     assert _relative_gap(result.losses, axon_nb.train_local(**run).losses) < 1e-5
-    assert set(cluster.run(_local_expert_shapes, stream=False)[0]) == {2}
+    assert set(pooled_cluster_2.run(_local_expert_shapes, stream=False)[0]) == {2}
 
 
 def _dense() -> GPT:
@@ -155,12 +165,12 @@ def _three_experts() -> GPT:
     ids=["dense", "uneven", "plan-names-nothing", "plan-names-a-router"],
 )
 def test_bad_expert_layouts_are_refused_in_the_kernel(
-    cluster: axon_nb.Cluster, model: Any, strategy: ExpertParallel, message: str
+    pooled_cluster_2: axon_nb.Cluster, model: Any, strategy: ExpertParallel, message: str
 ) -> None:
-    before = cluster.run(_marker, stream=False)
+    before = pooled_cluster_2.run(_marker, stream=False)
     with pytest.raises(ValueError, match=message):
-        cluster.train(**{**ARGS, "model": model, "strategy": strategy})
-    assert cluster.run(_marker, stream=False) == before  # nothing ran on the ranks
+        pooled_cluster_2.train(**{**ARGS, "model": model, "strategy": strategy})
+    assert pooled_cluster_2.run(_marker, stream=False) == before  # nothing ran on the ranks
 
 
 def _marker() -> int:
@@ -213,27 +223,31 @@ def _state(name: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_checkpoints_move_between_expert_parallel_and_fsdp(
-    cluster: axon_nb.Cluster, tmp_path: Any, kind: str
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any, kind: str
 ) -> None:
     """Saved with the experts split (ep=2), loaded whole under FSDP, and back: every value
     kept, and the runs go on alike."""
     layouts = [ExpertParallel(ep=2), axon_nb.FSDP()]
     for source, target in (layouts, layouts[::-1]):
         path = tmp_path / f"{source.name}-{kind}"
-        cluster.train(**{**ARGS, "steps": 5}, strategy=source, name="a")
-        cluster.save(path, kind, name="a")
-        saved = cluster.run(_state, "a", stream=False)[0]
-        cluster.train(**{**ARGS, "steps": 0}, strategy=target, name="b")
-        cluster.load(path, name="b")
-        loaded = cluster.run(_state, "b", stream=False)[0]
+        pooled_cluster_2.train(**{**ARGS, "steps": 5}, strategy=source, name="a")
+        pooled_cluster_2.save(path, kind, name="a")
+        saved = pooled_cluster_2.run(_state, "a", stream=False)[0]
+        pooled_cluster_2.train(**{**ARGS, "steps": 0}, strategy=target, name="b")
+        pooled_cluster_2.load(path, name="b")
+        loaded = pooled_cluster_2.run(_state, "b", stream=False)[0]
         assert saved["model"].keys() == loaded["model"].keys()
         for k, v in saved["model"].items():
             assert torch.equal(v, loaded["model"][k]), k
         for name, entry in saved["optimizer"]["state"].items():
             for key, value in entry.items():
                 assert torch.equal(value, loaded["optimizer"]["state"][name][key]), (name, key)
-        there = cluster.train(**{**ARGS, "steps": 4}, strategy=source, name="a", resume=True)
-        here = cluster.train(**{**ARGS, "steps": 4}, strategy=target, name="b", resume=True)
+        there = pooled_cluster_2.train(
+            **{**ARGS, "steps": 4}, strategy=source, name="a", resume=True
+        )
+        here = pooled_cluster_2.train(
+            **{**ARGS, "steps": 4}, strategy=target, name="b", resume=True
+        )
         assert _relative_gap(here.losses, there.losses) < 1e-5
 
 
@@ -264,7 +278,7 @@ def test_the_dashboard_shows_each_experts_load() -> None:
     assert dashboard.experts == experts  # the widget's synced trait
 
 
-def test_predictions_know_expert_parallelism(cluster: axon_nb.Cluster) -> None:
+def test_predictions_know_expert_parallelism(pooled_cluster_2: axon_nb.Cluster) -> None:
     """Predicted peak memory and communication per step against the ranks' measurement,
     within 5% (``cluster.compare`` puts them side by side), and the advisor proposes it."""
     moe = GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=256, block_size=32, experts=4)
@@ -277,9 +291,10 @@ def test_predictions_know_expert_parallelism(cluster: axon_nb.Cluster) -> None:
         steps=3,
         warmup=1,
     )
-    table = cluster.compare([ExpertParallel(ep=2), ExpertParallel(ep=2, data_parallel="fsdp")],
-                            **train)  # fmt: skip
+    table = pooled_cluster_2.compare(
+        [ExpertParallel(ep=2), ExpertParallel(ep=2, data_parallel="fsdp")], **train
+    )
     check_predictions(table, memory_tol=0.05, comm_tol=0.05)
-    advice = cluster.advise(train["model"], train["data"], lm_loss, device_memory="1GB",
-                            batch_size=16)  # fmt: skip
+    advice = pooled_cluster_2.advise(train["model"], train["data"], lm_loss, device_memory="1GB",
+                                     batch_size=16)  # fmt: skip
     assert any(isinstance(r["strategy"], ExpertParallel) for r in advice.rows)

@@ -34,43 +34,47 @@ def _one_process(cluster: axon_nb.Cluster, make: Any = tiny_llama, **options: An
 
 
 @pytest.mark.parametrize("strategy", [DDP(), FSDP(), TensorParallel(plan="auto")], ids=str)
-def test_greedy_tokens_equal_one_process(cluster: axon_nb.Cluster, strategy: Any) -> None:
-    cluster.train(tiny_llama, FixedTokens(), strategy=strategy, steps=3, batch_size=8)
-    got = cluster.generate(PROMPTS, max_new_tokens=8, do_sample=False)
-    want = _one_process(cluster, do_sample=False)
+def test_greedy_tokens_equal_one_process(pooled_cluster_2: axon_nb.Cluster, strategy: Any) -> None:
+    pooled_cluster_2.train(tiny_llama, FixedTokens(), strategy=strategy, steps=3, batch_size=8)
+    got = pooled_cluster_2.generate(PROMPTS, max_new_tokens=8, do_sample=False)
+    want = _one_process(pooled_cluster_2, do_sample=False)
     assert got.shape == (2, 12)
     assert torch.equal(got, want)
     # the ranks trained on: generating changed nothing a resumed run depends on
-    assert cluster.run(lambda: 1) == [1, 1]
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
-def test_a_lora_adapter_under_fsdp_generates_as_in_one_process(cluster: axon_nb.Cluster) -> None:
+def test_a_lora_adapter_under_fsdp_generates_as_in_one_process(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     """A PEFT model's generate calls its base model's, never its own forward: FSDP must
     still gather the root's parameters (the embedding) around it."""
-    cluster.train(lora_llama, FixedTokens(), strategy=FSDP(), steps=3, batch_size=8)
-    got = cluster.generate(PROMPTS, max_new_tokens=8)
-    assert torch.equal(got, _one_process(cluster, lora_llama, do_sample=False))
+    pooled_cluster_2.train(lora_llama, FixedTokens(), strategy=FSDP(), steps=3, batch_size=8)
+    got = pooled_cluster_2.generate(PROMPTS, max_new_tokens=8)
+    assert torch.equal(got, _one_process(pooled_cluster_2, lora_llama, do_sample=False))
 
 
-def test_sampling_is_reproducible_with_a_seed(cluster: axon_nb.Cluster) -> None:
-    cluster.train(tiny_llama, FixedTokens(), strategy=FSDP(), steps=2, batch_size=8)
+def test_sampling_is_reproducible_with_a_seed(pooled_cluster_2: axon_nb.Cluster) -> None:
+    pooled_cluster_2.train(tiny_llama, FixedTokens(), strategy=FSDP(), steps=2, batch_size=8)
     sample = dict(max_new_tokens=8, do_sample=True, top_k=20)
-    first = cluster.generate(PROMPTS, seed=3, **sample)
-    assert torch.equal(first, cluster.generate(PROMPTS, seed=3, **sample))
-    others = [cluster.generate(PROMPTS, seed=s, **sample) for s in (4, 5)]
+    first = pooled_cluster_2.generate(PROMPTS, seed=3, **sample)
+    assert torch.equal(first, pooled_cluster_2.generate(PROMPTS, seed=3, **sample))
+    others = [pooled_cluster_2.generate(PROMPTS, seed=s, **sample) for s in (4, 5)]
     assert any(not torch.equal(first, o) for o in others)
 
 
 def test_a_model_without_generate_and_bad_arguments_are_refused(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     config = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
     data = token_dataset(64, block_size=16, vocab_size=64)
-    cluster.train(lambda: GPT(config), data, loss=lm_loss, steps=1, batch_size=8, name="gpt")
+    pooled_cluster_2.train(
+        lambda: GPT(config), data, loss=lm_loss, steps=1, batch_size=8, name="gpt"
+    )
     with pytest.raises(axon_nb.RankError, match="has no generate"):
-        cluster.generate(PROMPTS, max_new_tokens=4, name="gpt")
+        pooled_cluster_2.generate(PROMPTS, max_new_tokens=4, name="gpt")
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
-        cluster.generate(PROMPTS, max_new_tokens=0, name="gpt")
+        pooled_cluster_2.generate(PROMPTS, max_new_tokens=0, name="gpt")
     with pytest.raises(ValueError, match="input_ids is required"):
-        cluster.generate([], max_new_tokens=4, name="gpt")
-    assert cluster.run(lambda: 1) == [1, 1]  # the ranks are fine
+        pooled_cluster_2.generate([], max_new_tokens=4, name="gpt")
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]  # the ranks are fine

@@ -32,7 +32,8 @@ GPT_ARGS: dict[str, Any] = dict(
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
+def own_cluster_1() -> Iterator[axon_nb.Cluster]:
+    """One rank of this module's own, stopped after it."""
     with axon_nb.Cluster(n=1, timeout=120) as c:  # backend "auto" must pick nccl
         yield c
 
@@ -43,18 +44,20 @@ def _rank_params() -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in trainstate.get("model").module.state_dict().items()}
 
 
-def test_auto_binds_the_gpu_and_picks_nccl(cluster: axon_nb.Cluster) -> None:
-    assert cluster.ranks[0]["backend"] == "nccl"
-    assert cluster.ranks[0]["device"] == "cuda:0"
+def test_auto_binds_the_gpu_and_picks_nccl(own_cluster_1: axon_nb.Cluster) -> None:
+    assert own_cluster_1.ranks[0]["backend"] == "nccl"
+    assert own_cluster_1.ranks[0]["device"] == "cuda:0"
 
 
 @pytest.mark.parametrize("hook", [None, "bf16"])
-def test_ddp_on_nccl_matches_one_process_on_the_gpu(cluster: axon_nb.Cluster, hook: str) -> None:
-    result = cluster.train(**ARGS, strategy=DDP(comm_hook=hook))
+def test_ddp_on_nccl_matches_one_process_on_the_gpu(
+    own_cluster_1: axon_nb.Cluster, hook: str
+) -> None:
+    result = own_cluster_1.train(**ARGS, strategy=DDP(comm_hook=hook))
     ref = axon_nb.train_local(**ARGS, device="cuda")
     tolerance = 1e-5 if hook is None else 1e-2
     assert result.losses == pytest.approx(ref.losses, abs=tolerance)
-    params = cluster.run(_rank_params)[0]
+    params = own_cluster_1.run(_rank_params)[0]
     for k, v in ref.model.state_dict().items():
         assert torch.allclose(params[k], v.cpu(), atol=tolerance), k
     memory = result.ranks[0]["memory"]
@@ -62,11 +65,11 @@ def test_ddp_on_nccl_matches_one_process_on_the_gpu(cluster: axon_nb.Cluster, ho
     assert result.ranks[0]["comm_totals"]["all_reduce"]["count"] >= ARGS["steps"]
 
 
-def test_status_reports_gpu_memory(cluster: axon_nb.Cluster) -> None:
+def test_status_reports_gpu_memory(own_cluster_1: axon_nb.Cluster) -> None:
     from axon_nb.rank.observe.rank_status import rank_status
     from axon_nb.widgets.status import status_text
 
-    rows = cluster.run(rank_status, stream=False)
+    rows = own_cluster_1.run(rank_status, stream=False)
     assert rows[0]["cuda_total"] > rows[0]["cuda_free"] > 0
     assert "GPU" in status_text(rows)
 
@@ -76,21 +79,21 @@ def test_status_reports_gpu_memory(cluster: axon_nb.Cluster) -> None:
     [FSDP(), FSDP(cpu_offload=True), ZeRO(stage=1), ZeRO(stage=2)],
     ids=["fsdp", "fsdp-cpu-offload", "zero1", "zero2"],
 )
-def test_sharded_strategies_run_on_nccl(cluster: axon_nb.Cluster, strategy: Any) -> None:
-    result = cluster.train(**GPT_ARGS, strategy=strategy)
+def test_sharded_strategies_run_on_nccl(own_cluster_1: axon_nb.Cluster, strategy: Any) -> None:
+    result = own_cluster_1.train(**GPT_ARGS, strategy=strategy)
     ref = axon_nb.train_local(**GPT_ARGS, device="cuda")
     assert result.losses == pytest.approx(ref.losses, abs=1e-4)
     assert result.memory[0]["peak_bytes"] == result.memory[0]["cuda_peak"] > 0
 
 
-def test_checkpoint_round_trip_on_nccl(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+def test_checkpoint_round_trip_on_nccl(own_cluster_1: axon_nb.Cluster, tmp_path: Path) -> None:
     args = {**GPT_ARGS, "strategy": FSDP()}
-    cluster.train(**{**args, "steps": 4}, name="a")
-    cluster.save(tmp_path / "ckpt", "sharded", name="a")
-    uninterrupted = cluster.train(**{**args, "steps": 3}, name="a", resume=True)
-    cluster.train(**{**args, "steps": 0}, name="b")
-    cluster.load(tmp_path / "ckpt", name="b")
-    resumed = cluster.train(**{**args, "steps": 3}, name="b", resume=True)
+    own_cluster_1.train(**{**args, "steps": 4}, name="a")
+    own_cluster_1.save(tmp_path / "ckpt", "sharded", name="a")
+    uninterrupted = own_cluster_1.train(**{**args, "steps": 3}, name="a", resume=True)
+    own_cluster_1.train(**{**args, "steps": 0}, name="b")
+    own_cluster_1.load(tmp_path / "ckpt", name="b")
+    resumed = own_cluster_1.train(**{**args, "steps": 3}, name="b", resume=True)
     assert resumed.losses == uninterrupted.losses
 
 
@@ -113,12 +116,14 @@ def test_steps_do_not_wait_for_the_gpu() -> None:
     assert _sync_warnings(steps=8) == _sync_warnings(steps=3)
 
 
-def test_compiled_bf16_run_with_prefetch_matches_one_process(cluster: axon_nb.Cluster) -> None:
+def test_compiled_bf16_run_with_prefetch_matches_one_process(
+    own_cluster_1: axon_nb.Cluster,
+) -> None:
     args = {**GPT_ARGS, "mixed_precision": "bf16"}
-    result = cluster.train(**args, strategy=FSDP(), compile=True)
+    result = own_cluster_1.train(**args, strategy=FSDP(), compile=True)
     ref = axon_nb.train_local(**args, device="cuda")
     assert result.losses == pytest.approx(ref.losses, abs=2e-2)  # bf16 rounding
-    fused = cluster.run(lambda: _first_group()["fused"], stream=False)
+    fused = own_cluster_1.run(lambda: _first_group()["fused"], stream=False)
     assert fused == [True]  # AdamW on CUDA is the fused kernel
 
 
@@ -128,13 +133,13 @@ def _first_group() -> dict[str, Any]:
     return trainstate.get("model").optimizer.param_groups[0]
 
 
-def test_status_and_memory_carry_nvml_figures(cluster: axon_nb.Cluster) -> None:
+def test_status_and_memory_carry_nvml_figures(own_cluster_1: axon_nb.Cluster) -> None:
     pytest.importorskip("pynvml")
     from axon_nb.rank.observe.rank_status import rank_status
 
-    row = cluster.run(rank_status, stream=False)[0]
+    row = own_cluster_1.run(rank_status, stream=False)[0]
     assert 0 <= row["gpu_util"] <= 100 and 0 <= row["memory_bw_util"] <= 100
-    result = cluster.train(**GPT_ARGS)
+    result = own_cluster_1.train(**GPT_ARGS)
     assert "gpu_util" in result.ranks[0]["memory"]
 
 

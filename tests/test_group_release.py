@@ -69,14 +69,14 @@ def _unregistered_groups_of(name: str) -> list[str]:
 
 
 def test_training_cell_after_cell_keeps_the_groups_of_the_kept_runs_only(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     strategies = [DDP(), FSDP(), TensorParallel(), ZeRO(stage=2), ZeRO(stage=1)]
     seen: list[list[tuple[int, int]]] = []
     for round_ in range(2):  # each layout holds as much the second time round as the first
         for i, strategy in enumerate(strategies):
-            cluster.train(**RUN, strategy=strategy, steps=1, name="cells")
-            now = cluster.run(_groups_and_threads, stream=False)
+            pooled_cluster_2.train(**RUN, strategy=strategy, steps=1, name="cells")
+            now = pooled_cluster_2.run(_groups_and_threads, stream=False)
             if round_ == 0:
                 seen.append(now)
                 continue
@@ -87,56 +87,56 @@ def test_training_cell_after_cell_keeps_the_groups_of_the_kept_runs_only(
                 assert groups == groups0, f"{where} holds {groups} groups, {groups0} before"
                 assert threads <= threads0, f"{where} runs {threads} threads, {threads0} before"
     first = seen[0]
-    cluster.run(entry.drop_run, "cells", stream=False)
-    dropped = cluster.run(_groups_and_threads, stream=False)
+    pooled_cluster_2.run(entry.drop_run, "cells", stream=False)
+    dropped = pooled_cluster_2.run(_groups_and_threads, stream=False)
     assert all(g < g0 for (g, _), (g0, _) in zip(dropped, first, strict=True)), (dropped, first)
 
 
 def test_destroyed_groups_wait_for_the_cycle_collector_a_bounded_while(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     """The ledger forces a collection only once LINGER_LIMIT destroyed groups are alive (a
     full one costs a short call most of its time); never more wait than that."""
-    held = max(cluster.run(_alive_after_collecting, stream=False))  # (earlier modules')
+    held = max(pooled_cluster_2.run(_alive_after_collecting, stream=False))  # (earlier modules')
     alive = []
     for strategy in [FSDP(), TensorParallel(), DDP()] * 4:
-        cluster.train(**RUN, strategy=strategy, steps=1, name="cells")
-        alive.append(max(cluster.run(_lingering, stream=False)) - held)
+        pooled_cluster_2.train(**RUN, strategy=strategy, steps=1, name="cells")
+        alive.append(max(pooled_cluster_2.run(_lingering, stream=False)) - held)
     assert max(alive) < LINGER_LIMIT, alive
-    cluster.run(entry.drop_run, "cells", stream=False)
+    pooled_cluster_2.run(entry.drop_run, "cells", stream=False)
 
 
-def test_a_failed_call_keeps_nothing_it_built_alive(cluster: axon_nb.Cluster) -> None:
+def test_a_failed_call_keeps_nothing_it_built_alive(pooled_cluster_2: axon_nb.Cluster) -> None:
     """A rank keeps its last error until the next one (IPython's sys.last_traceback); its
     frames held the failed call's model and mesh, and so the groups destroyed with it."""
-    held = cluster.run(_alive_after_collecting, stream=False)  # (earlier modules')
-    cluster.train(**RUN, strategy=TensorParallel(), steps=1, name="cells")
+    held = pooled_cluster_2.run(_alive_after_collecting, stream=False)  # (earlier modules')
+    pooled_cluster_2.train(**RUN, strategy=TensorParallel(), steps=1, name="cells")
     with pytest.raises(axon_nb.RankError, match="does not fit the model"):
-        cluster.train(**RUN, strategy=TensorParallel(plan={"blocks.*.ffn": "colwise"}), steps=1,
-                      name="cells")  # fmt: skip
-    cluster.train(**RUN, strategy=DDP(), steps=1, name="cells")  # the failed layout's go
-    alive = cluster.run(_alive_after_collecting, stream=False)
+        plan = {"blocks.*.ffn": "colwise"}
+        pooled_cluster_2.train(**RUN, strategy=TensorParallel(plan=plan), steps=1, name="cells")
+    pooled_cluster_2.train(**RUN, strategy=DDP(), steps=1, name="cells")  # the failed layout's go
+    alive = pooled_cluster_2.run(_alive_after_collecting, stream=False)
     assert all(a <= h for a, h in zip(alive, held, strict=True)), (alive, held)
-    cluster.run(entry.drop_run, "cells", stream=False)
+    pooled_cluster_2.run(entry.drop_run, "cells", stream=False)
 
 
 def test_a_run_resumed_beside_another_and_after_it_was_dropped_continues_exactly(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     # Another run of the same layout comes and goes: its groups go with it, the kept run's
     # stay (and DTensor's caches, which could hand the kept run the other's mesh, are
     # emptied whenever the run in use changes).
-    whole = cluster.train(**RUN, strategy=TensorParallel(), steps=9, name="whole").losses
-    losses = cluster.train(**RUN, strategy=TensorParallel(), steps=3, name="kept").losses
-    cluster.train(**RUN, strategy=TensorParallel(), steps=2, name="passing")
-    losses += cluster.train(
+    whole = pooled_cluster_2.train(**RUN, strategy=TensorParallel(), steps=9, name="whole").losses
+    losses = pooled_cluster_2.train(**RUN, strategy=TensorParallel(), steps=3, name="kept").losses
+    pooled_cluster_2.train(**RUN, strategy=TensorParallel(), steps=2, name="passing")
+    losses += pooled_cluster_2.train(
         **RUN, strategy=TensorParallel(), steps=3, name="kept", resume=True
     ).losses
-    cluster.run(entry.drop_run, "passing", stream=False)
-    assert cluster.run(_unregistered_groups_of, "kept", stream=False) == [[], []]
-    losses += cluster.train(
+    pooled_cluster_2.run(entry.drop_run, "passing", stream=False)
+    assert pooled_cluster_2.run(_unregistered_groups_of, "kept", stream=False) == [[], []]
+    losses += pooled_cluster_2.train(
         **RUN, strategy=TensorParallel(), steps=3, name="kept", resume=True
     ).losses
     assert losses == pytest.approx(whole, rel=1e-6)
     for name in ("whole", "kept"):
-        cluster.run(entry.drop_run, name, stream=False)
+        pooled_cluster_2.run(entry.drop_run, name, stream=False)

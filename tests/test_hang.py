@@ -103,14 +103,14 @@ def _import_this_module_on_the_ranks(cluster: axon_nb.Cluster) -> None:
 
 
 def test_stacks_show_who_waits_in_which_collective_and_who_is_elsewhere(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
-    _import_this_module_on_the_ranks(cluster)
-    idle = cluster.stacks()
+    _import_this_module_on_the_ranks(pooled_cluster_2)
+    idle = pooled_cluster_2.stacks()
     assert "ranks 0, 1 are idle" in str(idle)
 
-    ar = cluster.view([0, 1]).apply_async(rank1_late, 8)
-    report = _stacks_when_waiting(cluster)
+    ar = pooled_cluster_2.send(rank1_late, 8).ar
+    report = _stacks_when_waiting(pooled_cluster_2)
     text = str(report)
     assert report.missing == ()
     waiting = report.ranks[0].collective
@@ -127,19 +127,19 @@ def test_stacks_show_who_waits_in_which_collective_and_who_is_elsewhere(
     assert repr(report) == text
 
     assert ar.get(timeout=60) == [2.0, 2.0]  # rank 1 came; the world is fine
-    assert cluster.run(_sum_ranks) == [2.0, 2.0]
-    after = cluster.stacks().ranks[0].collective
+    assert pooled_cluster_2.run(_sum_ranks) == [2.0, 2.0]
+    after = pooled_cluster_2.stacks().ranks[0].collective
     assert after is not None and after.done and after.seq > waiting.seq
 
 
 def test_a_rank_holding_the_gil_in_c_is_shown_from_its_native_dump(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
-    _import_this_module_on_the_ranks(cluster)
-    ar = cluster.view([1]).apply_async(hold_the_gil)
+    _import_this_module_on_the_ranks(pooled_cluster_2)
+    ar = pooled_cluster_2.send(hold_the_gil, ranks=[1]).ar
     deadline = time.monotonic() + 30
     while True:  # until rank 1 is inside the regex (it answers before it gets there)
-        report = cluster.stacks(timeout=2.0)
+        report = pooled_cluster_2.stacks(timeout=2.0)
         if report.missing == (1,) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -147,10 +147,10 @@ def test_a_rank_holding_the_gil_in_c_is_shown_from_its_native_dump(
     assert "rank 1 did not answer" in str(report)
     assert "test_hang.py" in str(report) and "in hold_the_gil" in str(report)
     assert "hold_the_gil" in report.stacks[1]
-    cluster.interrupt([1])
+    pooled_cluster_2.interrupt([1])
     with pytest.raises(Exception, match="KeyboardInterrupt"):
         ar.get(timeout=60)
-    assert cluster.run(_sum_ranks) == [2.0, 2.0]
+    assert pooled_cluster_2.run(_sum_ranks) == [2.0, 2.0]
 
 
 def hold_the_gil() -> None:
@@ -173,7 +173,7 @@ def hang_shell(shell) -> Iterator:
 def test_axon_stacks_prints_the_report(hang_shell, capsys) -> None:
     cluster = axon_nb.current_cluster()
     assert cluster.options.hang_timeout == 2
-    ar = cluster.view([0, 1]).apply_async(rank1_late, 6)
+    ar = cluster.send(rank1_late, 6).ar
     _stacks_when_waiting(cluster)
     capsys.readouterr()
     hang_shell.run_line_magic("axon_stacks", "")

@@ -47,7 +47,7 @@ def assert_same_losses(got: list[float], want: list[float], rel: float = 1e-5) -
 @pytest.mark.parametrize("strategy", [DDP(), FSDP()], ids=["ddp", "fsdp"])
 @pytest.mark.parametrize("loss", [None, shifted_cross_entropy], ids=["own-loss", "user-loss"])
 def test_padded_dict_batches_weighted_by_tokens_equal_one_process(
-    cluster: axon_nb.Cluster, strategy: Any, loss: Any
+    pooled_cluster_2: axon_nb.Cluster, strategy: Any, loss: Any
 ) -> None:
     run = dict(
         model=tiny_llama, data=TokenRows(), loss=loss, loss_normalization="tokens",
@@ -56,7 +56,7 @@ def test_padded_dict_batches_weighted_by_tokens_equal_one_process(
     )  # fmt: skip
     # two ranks of two micro-batches each against one process taking the batch whole:
     # only a mean over the global batch's tokens makes these equal
-    result = cluster.train(**run, strategy=strategy, grad_accum=2)
+    result = pooled_cluster_2.train(**run, strategy=strategy, grad_accum=2)
     reference = axon_nb.train_local(**run)
     assert_same_losses(result.losses, reference.losses)
     # the mean of micro-batch means differs on this padded data: the test can fail
@@ -67,19 +67,21 @@ def test_padded_dict_batches_weighted_by_tokens_equal_one_process(
 @pytest.mark.parametrize(
     "form", [{}, {"torch_format": True}, {"streaming": True}], ids=["lists", "torch", "stream"]
 )
-def test_datasets_datasets_equal_one_process(cluster: axon_nb.Cluster, form: dict) -> None:
+def test_datasets_datasets_equal_one_process(pooled_cluster_2: axon_nb.Cluster, form: dict) -> None:
     run = dict(model=tiny_llama, data=hf_rows(**form), steps=STEPS, batch_size=8)
-    result = cluster.train(**run, optimizer=("adamw", {"lr": 1e-2}))
+    result = pooled_cluster_2.train(**run, optimizer=("adamw", {"lr": 1e-2}))
     reference = axon_nb.train_local(**run, optimizer=("adamw", {"lr": 1e-2}))
     assert_same_losses(result.losses, reference.losses)
 
 
-def test_a_lora_adapter_trains_under_fsdp_as_in_one_process(cluster: axon_nb.Cluster) -> None:
+def test_a_lora_adapter_trains_under_fsdp_as_in_one_process(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     run = dict(
         model=lora_llama, data=TokenRows(), loss_normalization="tokens", steps=STEPS,
         batch_size=8, loader={"collate_fn": pad}, optimizer=("adamw", {"lr": 1e-2}),
     )  # fmt: skip
-    result = cluster.train(**run, strategy=FSDP())
+    result = pooled_cluster_2.train(**run, strategy=FSDP())
     assert_same_losses(result.losses, axon_nb.train_local(**run).losses)
 
 
@@ -123,18 +125,18 @@ class _NoLabels(torch.utils.data.Dataset):
 
 
 def test_a_batch_without_labels_is_refused_at_once_and_the_ranks_stay_usable(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     # checked on the kernel when the dataset is here
     with pytest.raises(ValueError, match=r"keys \['input_ids'\] and no 'labels'"):
-        cluster.train(model=tiny_llama, data=_NoLabels(), steps=2, batch_size=4)
+        pooled_cluster_2.train(model=tiny_llama, data=_NoLabels(), steps=2, batch_size=4)
     # and on the ranks when it is built there
     with pytest.raises(axon_nb.RankError, match=r"no 'labels' key \(it has \['input_ids'\]\)"):
-        cluster.train(model=tiny_llama, data=_NoLabels, steps=2, batch_size=4)
+        pooled_cluster_2.train(model=tiny_llama, data=_NoLabels, steps=2, batch_size=4)
     with pytest.raises(ValueError, match="loss_normalization must be 'mean' or 'tokens'"):
-        cluster.train(model=tiny_llama, data=TokenRows, steps=2, batch_size=4,
-                      loss_normalization="sum")  # fmt: skip
-    assert cluster.run(lambda: 1) == [1, 1]
+        pooled_cluster_2.train(model=tiny_llama, data=TokenRows, steps=2, batch_size=4,
+                               loss_normalization="sum")  # fmt: skip
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
 @dataclasses.dataclass
@@ -183,16 +185,17 @@ def _logits(name: str = "model") -> torch.Tensor:
     ("make", "strategy"), [("llama", DDP()), ("lora", FSDP())], ids=["llama-ddp", "lora-fsdp"]
 )
 def test_save_pretrained_loads_back_to_identical_outputs(
-    cluster: axon_nb.Cluster, tmp_path: Any, make: str, strategy: Any
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any, make: str, strategy: Any
 ) -> None:
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
     model = tiny_llama if make == "llama" else lora_llama
-    cluster.train(model=model, data=TokenRows(), steps=3, batch_size=8, strategy=strategy,
-                  loader={"collate_fn": pad}, optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
-    trained = cluster.run(_logits)[0]
-    path = cluster.save(tmp_path / "out", format="hf")
+    pooled_cluster_2.train(model=model, data=TokenRows(), steps=3, batch_size=8,
+                           strategy=strategy, loader={"collate_fn": pad},
+                           optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
+    trained = pooled_cluster_2.run(_logits)[0]
+    path = pooled_cluster_2.save(tmp_path / "out", format="hf")
     if make == "llama":
         loaded = LlamaForCausalLM.from_pretrained(path)
     else:
@@ -202,24 +205,24 @@ def test_save_pretrained_loads_back_to_identical_outputs(
     with torch.no_grad():
         logits = loaded.eval()(**pad([TokenRows()[i] for i in range(4)])).logits
     torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
-    assert not (logits - cluster.run(_logits)[0]).abs().max() > 1e-5  # the ranks kept it
+    assert not (logits - pooled_cluster_2.run(_logits)[0]).abs().max() > 1e-5  # the ranks kept it
     with pytest.raises(FileExistsError, match="overwrite=True"):
-        cluster.save(path, format="hf")
-    assert cluster.save(path, format="hf", overwrite=True) == path
+        pooled_cluster_2.save(path, format="hf")
+    assert pooled_cluster_2.save(path, format="hf", overwrite=True) == path
 
 
 def test_save_pretrained_refuses_a_model_without_it(
-    cluster: axon_nb.Cluster, tmp_path: Any
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any
 ) -> None:
     data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
-    cluster.train(model=lambda: torch.nn.Linear(4, 1), data=data, loss=torch.nn.functional.mse_loss,
-                  steps=1, batch_size=8)  # fmt: skip
+    pooled_cluster_2.train(model=lambda: torch.nn.Linear(4, 1), data=data,
+                           loss=torch.nn.functional.mse_loss, steps=1, batch_size=8)  # fmt: skip
     with pytest.raises(axon_nb.RankError, match="has no save_pretrained"):
-        cluster.save(tmp_path / "out", format="hf")
+        pooled_cluster_2.save(tmp_path / "out", format="hf")
     assert not list(tmp_path.iterdir())  # no partial directory left behind
     with pytest.raises(ValueError, match="format must be 'torch'"):
-        cluster.save(tmp_path / "out", format="safetensors")
-    assert cluster.run(lambda: 1) == [1, 1]
+        pooled_cluster_2.save(tmp_path / "out", format="safetensors")
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
 def _cosine_with_warmup(optimizer: torch.optim.Optimizer) -> Any:
@@ -228,34 +231,34 @@ def _cosine_with_warmup(optimizer: torch.optim.Optimizer) -> Any:
     return get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=3, num_training_steps=STEPS)
 
 
-def test_a_transformers_scheduler_runs_as_in_one_process(cluster: axon_nb.Cluster) -> None:
+def test_a_transformers_scheduler_runs_as_in_one_process(pooled_cluster_2: axon_nb.Cluster) -> None:
     run = dict(
         model=tiny_llama, data=hf_rows(), steps=STEPS, batch_size=8,
         optimizer=("adamw", {"lr": 1e-2}), scheduler=_cosine_with_warmup,
     )  # fmt: skip
-    result = cluster.train(**run)
+    result = pooled_cluster_2.train(**run)
     reference = axon_nb.train_local(**run)
     assert_same_losses(result.losses, reference.losses)
     lrs = [h["lr"] for h in result.history]
     assert lrs[:4] == pytest.approx([0.0, 1e-2 / 3, 2e-2 / 3, 1e-2])  # warm-up, then cosine
     assert lrs[-1] < lrs[4] and lrs == pytest.approx([h["lr"] for h in reference.history])
     with pytest.raises(axon_nb.RankError, match="resume without optimizer lr"):
-        cluster.train(resume=True, steps=1, batch_size=8, optimizer=("adamw", {"lr": 1.0}))
-    more = cluster.train(resume=True, steps=2, batch_size=8)  # the schedule goes on
+        pooled_cluster_2.train(resume=True, steps=1, batch_size=8, optimizer=("adamw", {"lr": 1.0}))
+    more = pooled_cluster_2.train(resume=True, steps=2, batch_size=8)  # the schedule goes on
     assert [h["step"] for h in more.history] == [STEPS + 1, STEPS + 2]
 
 
-def test_bad_schedulers_are_refused(cluster: axon_nb.Cluster) -> None:
+def test_bad_schedulers_are_refused(pooled_cluster_2: axon_nb.Cluster) -> None:
     with pytest.raises(ValueError, match="scheduler= replaces schedule= and warmup_steps="):
-        cluster.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
-                      scheduler=_cosine_with_warmup, warmup_steps=2)  # fmt: skip
+        pooled_cluster_2.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
+                               scheduler=_cosine_with_warmup, warmup_steps=2)  # fmt: skip
     with pytest.raises(axon_nb.RankError, match=r"must return a torch\.optim\.lr_scheduler"):
-        cluster.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
-                      scheduler=lambda optimizer: 0.5)  # fmt: skip
-    assert cluster.run(lambda: 1) == [1, 1]
+        pooled_cluster_2.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
+                               scheduler=lambda optimizer: 0.5)  # fmt: skip
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
-def test_tensor_parallel_takes_the_models_own_plan(cluster: axon_nb.Cluster) -> None:
+def test_tensor_parallel_takes_the_models_own_plan(pooled_cluster_2: axon_nb.Cluster) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from axon_nb import TensorParallel
@@ -264,7 +267,7 @@ def test_tensor_parallel_takes_the_models_own_plan(cluster: axon_nb.Cluster) -> 
                optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
     reference = axon_nb.train_local(**run)
     # the model's plan: embedding rows, attention and MLP, the head with its output gathered
-    result = cluster.train(**run, strategy=TensorParallel(plan="auto"))
+    result = pooled_cluster_2.train(**run, strategy=TensorParallel(plan="auto"))
     assert_same_losses(result.losses, reference.losses)
     # torch ParallelStyle objects beside style names
     plan = {"model.layers.*.mlp.up_proj": ColwiseParallel(),
@@ -272,11 +275,13 @@ def test_tensor_parallel_takes_the_models_own_plan(cluster: axon_nb.Cluster) -> 
             "model.layers.*.mlp.down_proj": RowwiseParallel(),
             "model.layers.*.self_attn.[qkv]_proj": "colwise",
             "model.layers.*.self_attn.o_proj": "rowwise"}  # fmt: skip
-    result = cluster.train(**run, strategy=TensorParallel(plan=plan))
+    result = pooled_cluster_2.train(**run, strategy=TensorParallel(plan=plan))
     assert_same_losses(result.losses, reference.losses)
 
 
-def test_sequence_parallel_finds_a_llamas_blocks_and_norms(cluster: axon_nb.Cluster) -> None:
+def test_sequence_parallel_finds_a_llamas_blocks_and_norms(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     """No ``model.blocks`` and no ``nn.RMSNorm``: the layers the plan names are in
     ``model.layers``, its norms are ``LlamaRMSNorm``, and attention takes its hidden states
     by keyword."""
@@ -284,9 +289,11 @@ def test_sequence_parallel_finds_a_llamas_blocks_and_norms(cluster: axon_nb.Clus
 
     run = dict(model=tiny_llama, data=FixedTokens(), steps=STEPS, batch_size=8,
                optimizer=("adamw", {"lr": 1e-2}))  # fmt: skip
-    result = cluster.train(**run, strategy=TensorParallel(plan="auto", sequence_parallel=True))
+    result = pooled_cluster_2.train(
+        **run, strategy=TensorParallel(plan="auto", sequence_parallel=True)
+    )
     assert_same_losses(result.losses, axon_nb.train_local(**run).losses)
-    assert cluster.run(_norms_see_half_the_sequence, stream=False) == [[6, 6], [6, 6]]
+    assert pooled_cluster_2.run(_norms_see_half_the_sequence, stream=False) == [[6, 6], [6, 6]]
 
 
 def _norms_see_half_the_sequence() -> list[int]:
@@ -308,7 +315,7 @@ def _norms_see_half_the_sequence() -> list[int]:
     return seen
 
 
-def test_a_plan_naming_nothing_names_the_nearest_modules(cluster: axon_nb.Cluster) -> None:
+def test_a_plan_naming_nothing_names_the_nearest_modules(pooled_cluster_2: axon_nb.Cluster) -> None:
     from axon_nb import TensorParallel
 
     plan = {"model.layers.*.self_attn.q_projection": "colwise"}
@@ -316,11 +323,11 @@ def test_a_plan_naming_nothing_names_the_nearest_modules(cluster: axon_nb.Cluste
         axon_nb.RankError,
         match=r"matches no module.*nearest names: model\.layers\.[01]\.self_attn\.q_proj",
     ):
-        cluster.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
-                      strategy=TensorParallel(plan=plan))  # fmt: skip
+        pooled_cluster_2.train(model=tiny_llama, data=hf_rows(), steps=1, batch_size=8,
+                               strategy=TensorParallel(plan=plan))  # fmt: skip
     with pytest.raises(ValueError, match="or is 'auto'"):
         TensorParallel(plan={"lm_head": "diagonal"})
-    assert cluster.run(lambda: 1) == [1, 1]
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
 @pytest.mark.parametrize(
@@ -329,7 +336,7 @@ def test_a_plan_naming_nothing_names_the_nearest_modules(cluster: axon_nb.Cluste
     ids=["vit-ddp", "vit-fsdp", "convnext-ddp"],
 )
 def test_image_models_augmented_in_loader_workers_equal_one_process(
-    cluster: axon_nb.Cluster, model: Any, strategy: Any
+    pooled_cluster_2: axon_nb.Cluster, model: Any, strategy: Any
 ) -> None:
     """Dict batches of ``pixel_values`` and ``labels``, the model's own loss, augmentation in
     two DataLoader workers per rank (the dataset refuses to run anywhere else)."""
@@ -337,5 +344,5 @@ def test_image_models_augmented_in_loader_workers_equal_one_process(
         model=model, data=AugmentedImages(), steps=STEPS, batch_size=8,
         loader={"num_workers": 2}, optimizer=("adamw", {"lr": 1e-2}),
     )  # fmt: skip
-    result = cluster.train(**run, strategy=strategy)
+    result = pooled_cluster_2.train(**run, strategy=strategy)
     assert_same_losses(result.losses, axon_nb.train_local(**run).losses)

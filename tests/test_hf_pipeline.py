@@ -46,9 +46,9 @@ def assert_same_losses(got: list[float], want: list[float], rel: float = 1e-5) -
     ids=["gpipe", "1f1b", "interleaved", "split"],
 )
 def test_a_llama_pipelines_by_its_plan_as_in_one_process(
-    cluster: axon_nb.Cluster, reference: list[float], strategy: Pipeline
+    pooled_cluster_2: axon_nb.Cluster, reference: list[float], strategy: Pipeline
 ) -> None:
-    result = cluster.train(**RUN, strategy=strategy)
+    result = pooled_cluster_2.train(**RUN, strategy=strategy)
     assert_same_losses(result.losses, reference)
 
 
@@ -58,9 +58,9 @@ def test_a_llama_pipelines_by_its_plan_as_in_one_process(
     ids=["dp2-pp2", "tp2-pp2"],
 )
 def test_a_llama_in_hybrid_layouts_as_in_one_process(
-    cluster4: axon_nb.Cluster, reference: list[float], strategy: Hybrid
+    pooled_cluster_4: axon_nb.Cluster, reference: list[float], strategy: Hybrid
 ) -> None:
-    result = cluster4.train(**RUN, strategy=strategy)
+    result = pooled_cluster_4.train(**RUN, strategy=strategy)
     assert_same_losses(result.losses, reference)
 
 
@@ -88,7 +88,7 @@ def _ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def test_models_and_batches_a_pipeline_cannot_take_say_what_to_do(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     pairs = [(torch.arange(12), torch.arange(12))] * 16
     cases = [
@@ -99,7 +99,7 @@ def test_models_and_batches_a_pipeline_cannot_take_say_what_to_do(
     for bad, match in cases:
         args = {"strategy": Pipeline(microbatches=2), **RUN, **bad, "steps": 1}
         with pytest.raises(axon_nb.RankError, match=match):
-            cluster.train(**args)
+            pooled_cluster_2.train(**args)
     with pytest.raises(ValueError, match="split must be a tuple of module names"):
         Pipeline(split="model.layers")  # type: ignore[arg-type]
-    assert cluster.run(lambda: 1) == [1, 1]
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]

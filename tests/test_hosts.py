@@ -146,8 +146,8 @@ import sys, time
 import axon_nb, busy
 cluster = axon_nb.Cluster(n=2, hosts=sys.argv[1], timeout=60, start_timeout=120).start()
 # Busy ranks: rank 0 sleeps in its cell, rank 1 holds the GIL in native code.
-cluster.apply([0], busy.sleep_in_cell)
-cluster.apply([1], busy.hold_the_gil_in_c)
+cluster.send(busy.sleep_in_cell, ranks=[0])
+cluster.send(busy.hold_the_gil_in_c, ranks=[1])
 time.sleep(1.5)
 print("started", flush=True)
 if sys.argv[2] == "stop":

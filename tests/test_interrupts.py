@@ -58,37 +58,37 @@ def test_an_interrupt_inside_an_import_waits_for_it_to_finish() -> None:
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_has_not_started_the_cell_when_interrupted_skips_it(
-    cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+    pooled_cluster_2: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Rank 1 is still busy with an earlier request when Ctrl-C comes, so the SIGINT reaches
     it before the cell does (it ends the earlier request): the cell must then not run on it at
     all. It used to run unstopped, its peer gone, and the kernel waited minutes for it to
     re-form the world (seen in a loaded suite, where a rank started a cell late)."""
-    earlier = cluster.view([1]).apply_async(time.sleep, 60)  # (the SIGINT ends it)
+    earlier = pooled_cluster_2.send(time.sleep, 60, ranks=[1]).ar  # (the SIGINT ends it)
     threading.Timer(3.0, signal.raise_signal, (signal.SIGINT,)).start()
     started = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
-        cluster.execute("print('running', flush=True)\nwhile True:\n    pass\n")
+        pooled_cluster_2.execute("print('running', flush=True)\nwhile True:\n    pass\n")
     assert time.monotonic() - started < 20
     assert earlier.wait(10)
     out = capsys.readouterr().out
     assert "[rank 0] running" in out and "[rank 1] running" not in out
-    _all_reduce_works(cluster, capsys)
+    _all_reduce_works(pooled_cluster_2, capsys)
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_had_not_started_a_failing_cell_skips_it_and_did_not_fail(
-    cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+    pooled_cluster_2: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Rank 0 raises at once while rank 1 is still busy with an earlier request: rank 1 is
     interrupted and skips the cell, and the error names rank 0 alone (a skipped part is no
     failure)."""
-    earlier = cluster.view([1]).apply_async(time.sleep, 60)  # (the interrupt ends it)
+    earlier = pooled_cluster_2.send(time.sleep, 60, ranks=[1]).ar  # (the interrupt ends it)
     with pytest.raises(axon_nb.RankError) as failure:
-        cluster.execute("raise ValueError('boom')")
+        pooled_cluster_2.execute("raise ValueError('boom')")
     assert failure.value.rank == 0 and failure.value.failed_ranks == [0], failure.value
     assert earlier.wait(10)
-    _all_reduce_works(cluster, capsys)
+    _all_reduce_works(pooled_cluster_2, capsys)
 
 
 def _all_reduce_works(cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 from helpers import wait_gone
 from jupyter_client.manager import start_new_kernel
-from test_kernel import _run
+from kernel_client import run_cell
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -42,12 +42,12 @@ def _descendants(pid: int) -> list[int]:
 def test_kernel_end_takes_every_rank_with_it(ending: str, busy: str, limit: float) -> None:
     km, kc = start_new_kernel(kernel_name="python3")
     try:
-        assert _run(kc, START)[0] == "ok"
+        assert run_cell(kc, START)[0] == "ok"
         kernel_pid = km.provisioner.pid
         if busy == "sleep":
             kc.execute(BUSY[busy])
         else:
-            assert _run(kc, BUSY[busy])[0] == "ok"
+            assert run_cell(kc, BUSY[busy])[0] == "ok"
         time.sleep(2)
         pids = _descendants(kernel_pid)
         assert len(pids) >= 8
@@ -71,7 +71,7 @@ SCRIPT = textwrap.dedent(
     import axon_nb, busy
 
     cluster = axon_nb.Cluster(n=2, timeout=60).start()
-    cluster.apply(cluster.targets(), busy.sleep_in_cell)
+    cluster.send(busy.sleep_in_cell)
     time.sleep(1.5)
     print("busy", flush=True)
     time.sleep(1.0)

@@ -51,13 +51,14 @@ def _send(directory: Path, key: str, action: str) -> None:
 
 
 @pytest.fixture()
-def cluster(runtime: Path) -> Iterator[axon_nb.Cluster]:
+def registered_cluster(runtime: Path) -> Iterator[axon_nb.Cluster]:
+    """Two ranks started for the test in kernel k1, publishing into ``runtime``."""
     with axon_nb.Cluster(n=2, timeout=120) as c:
         yield c
 
 
 def test_state_is_published_owner_only_and_controls_are_carried_out(
-    runtime: Path, cluster: axon_nb.Cluster
+    runtime: Path, registered_cluster: axon_nb.Cluster
 ) -> None:
     state = _until(lambda: _state(runtime), "the state file")
     assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
@@ -67,7 +68,7 @@ def test_state_is_published_owner_only_and_controls_are_carried_out(
     assert state["devices"] == ["cpu", "cpu"] and state["backend"] == "gloo"
     assert state["run"] is None
 
-    handle = cluster.train(**ARGS, steps=1_000_000, block=False)
+    handle = registered_cluster.train(**ARGS, steps=1_000_000, block=False)
     running = _until(
         lambda: (s := _state(runtime)) and s["run"] and s["run"]["step"] >= 3 and s, "progress"
     )
@@ -81,22 +82,22 @@ def test_state_is_published_owner_only_and_controls_are_carried_out(
     _send(runtime, state["key"], "stop_run")
     result = handle.wait(timeout=60)
     assert result.stopped  # every rank at the same step boundary
-    steps = cluster.run(_model_step, stream=False)
+    steps = registered_cluster.run(_model_step, stream=False)
     assert steps[0] == steps[1] == result.step
     _until(lambda: _state(runtime)["run"]["state"] == "stopped", "the stopped run")
     assert not list(runtime.glob("control-*"))  # read and removed
 
-    pids = [r["pid"] for r in cluster.ranks]
+    pids = [r["pid"] for r in registered_cluster.ranks]
     _send(runtime, state["key"], "restart")
-    _until(lambda: cluster.running and cluster.ranks and
-           [r["pid"] for r in cluster.ranks] != pids, "new ranks")  # fmt: skip
+    _until(lambda: registered_cluster.running and registered_cluster.ranks and
+           [r["pid"] for r in registered_cluster.ranks] != pids, "new ranks")  # fmt: skip
     _until(lambda: _state(runtime) and _state(runtime)["key"] != state["key"], "a new entry")
     new = _state(runtime)
     assert new["status"] == "running" and new["run"] is not None  # the last run is kept
-    assert cluster.run(lambda: 1, stream=False) == [1, 1]
+    assert registered_cluster.run(lambda: 1, stream=False) == [1, 1]
 
     _send(runtime, new["key"], "stop_cluster")
-    _until(lambda: not cluster.running, "the cluster to stop")
+    _until(lambda: not registered_cluster.running, "the cluster to stop")
     _until(lambda: _state(runtime) is None, "the entry to go")
 
 
@@ -135,7 +136,7 @@ def test_the_sidebar_gets_a_runs_layout_change(tmp_path: Path) -> None:
     change (the sidebar's text and sparkline mark) and the dashboard tab's state carries it."""
     from types import SimpleNamespace
 
-    from test_dashboard import MOVE, STREAM, with_layout_change
+    from recorded_stream import MOVE, STREAM, with_layout_change
 
     from axon_nb.cluster.lab_registry import LOSS_POINTS, LabRegistry
     from axon_nb.strategies import FSDP

@@ -20,40 +20,40 @@ WORKERS = dict(num_workers=2, persistent_workers=True, prefetch_factor=2)
 
 
 @pytest.mark.parametrize("loader", [None, WORKERS], ids=["in-process", "two-workers"])
-def test_a_stream_trains_as_in_one_process(cluster: axon_nb.Cluster, loader: Any) -> None:
+def test_a_stream_trains_as_in_one_process(pooled_cluster_2: axon_nb.Cluster, loader: Any) -> None:
     ref = axon_nb.train_local(**ARGS, data=Stream())  # items s*16 .. (s+1)*16 at step s
     args = {**ARGS, "data": Stream(), "loader": loader}
-    check_equal(cluster, ref, args, loss_tol=1e-5, param_tol=1e-5)
+    check_equal(pooled_cluster_2, ref, args, loss_tol=1e-5, param_tol=1e-5)
 
 
-def test_ranks_stop_together_when_a_stream_runs_out(cluster: axon_nb.Cluster) -> None:
+def test_ranks_stop_together_when_a_stream_runs_out(pooled_cluster_2: axon_nb.Cluster) -> None:
     # 111 items: rank 0 reads 56 (7 batches of 8), rank 1 reads 55 (6 whole batches)
-    result = cluster.train(**{**ARGS, "steps": 50}, data=Stream(111))
+    result = pooled_cluster_2.train(**{**ARGS, "steps": 50}, data=Stream(111))
     assert result.data_ended_at == result.step == 6 and result.status == "finished"
     assert len(result.history) == 6
     with pytest.raises(Exception, match="the data gave no complete step"):
-        cluster.train(**ARGS, data=Stream(10))
-    assert cluster.train(**ARGS, data=Stream()).step == 10  # the ranks are fine
+        pooled_cluster_2.train(**ARGS, data=Stream(10))
+    assert pooled_cluster_2.train(**ARGS, data=Stream()).step == 10  # the ranks are fine
 
 
 def test_a_resumed_stream_goes_on_where_it_stopped(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
-    whole = cluster.train(**ARGS, data=Stream(), loader=WORKERS, name="whole")
-    cluster.train(**{**ARGS, "steps": 4}, data=Stream(), loader=WORKERS, name="part")
-    cluster.save(tmp_path / "ckpt", name="part")  # records step 4: the stream's position
-    rest = cluster.train(**{**ARGS, "steps": 6}, name="part", resume=True)
+    whole = pooled_cluster_2.train(**ARGS, data=Stream(), loader=WORKERS, name="whole")
+    pooled_cluster_2.train(**{**ARGS, "steps": 4}, data=Stream(), loader=WORKERS, name="part")
+    pooled_cluster_2.save(tmp_path / "ckpt", name="part")  # records step 4: the stream's position
+    rest = pooled_cluster_2.train(**{**ARGS, "steps": 6}, name="part", resume=True)
     assert rest.losses == pytest.approx(whole.losses[4:], abs=1e-6)
-    cluster.train(**{**ARGS, "steps": 0}, data=Stream(), loader=WORKERS, name="loaded")
-    cluster.load(tmp_path / "ckpt", name="loaded")
-    again = cluster.train(**{**ARGS, "steps": 6}, name="loaded", resume=True)
+    pooled_cluster_2.train(**{**ARGS, "steps": 0}, data=Stream(), loader=WORKERS, name="loaded")
+    pooled_cluster_2.load(tmp_path / "ckpt", name="loaded")
+    again = pooled_cluster_2.train(**{**ARGS, "steps": 6}, name="loaded", resume=True)
     assert again.losses == pytest.approx(whole.losses[4:], abs=1e-6)
 
 
-def test_loader_workers_give_the_same_run(cluster: axon_nb.Cluster) -> None:
+def test_loader_workers_give_the_same_run(pooled_cluster_2: axon_nb.Cluster) -> None:
     args = {**ARGS, "data": make_data}
     ref = axon_nb.train_local(**args)
-    check_equal(cluster, ref, {**args, "loader": WORKERS}, loss_tol=1e-5, param_tol=1e-5)
+    check_equal(pooled_cluster_2, ref, {**args, "loader": WORKERS}, loss_tol=1e-5, param_tol=1e-5)
 
 
 @pytest.mark.parametrize(

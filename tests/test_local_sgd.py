@@ -28,20 +28,20 @@ def _model_bytes(result: axon_nb.TrainResult) -> int:
     return int(total) - AGREEMENT_BYTES * result.steps
 
 
-def test_averaging_every_step_is_ddp(cluster: axon_nb.Cluster) -> None:
+def test_averaging_every_step_is_ddp(pooled_cluster_2: axon_nb.Cluster) -> None:
     ref = axon_nb.train_local(**ARGS)
-    check_equal(cluster, ref, {**ARGS, "strategy": LocalSGD(period=1)}, loss_tol=1e-5,
+    check_equal(pooled_cluster_2, ref, {**ARGS, "strategy": LocalSGD(period=1)}, loss_tol=1e-5,
                 param_tol=1e-5)  # fmt: skip
 
 
-def test_period_k_all_reduces_k_times_less(cluster: axon_nb.Cluster) -> None:
+def test_period_k_all_reduces_k_times_less(pooled_cluster_2: axon_nb.Cluster) -> None:
     params = sum(p.numel() for p in make_mlp().parameters())
-    ddp = _model_bytes(cluster.train(**ARGS, strategy=DDP()))
-    local = _model_bytes(cluster.train(**ARGS, strategy=LocalSGD(period=4)))
+    ddp = _model_bytes(pooled_cluster_2.train(**ARGS, strategy=DDP()))
+    local = _model_bytes(pooled_cluster_2.train(**ARGS, strategy=LocalSGD(period=4)))
     assert ddp == 4 * params * ARGS["steps"]  # every step, every gradient
     assert local == 4 * params * ARGS["steps"] // 4  # every 4th step, every parameter
-    warm = cluster.train(**ARGS, strategy=LocalSGD(period=4, warmup_steps=4))
-    ddp_run = cluster.train(**ARGS, strategy=DDP())
+    warm = pooled_cluster_2.train(**ARGS, strategy=LocalSGD(period=4, warmup_steps=4))
+    ddp_run = pooled_cluster_2.train(**ARGS, strategy=DDP())
     assert warm.losses[:5] == pytest.approx(ddp_run.losses[:5], abs=1e-6)  # DDP while warm
 
 

@@ -43,10 +43,10 @@ HELD_OUT = [
 @pytest.mark.parametrize(("model", "data", "strategies", "optimizer", "mixed"), HELD_OUT,
                          ids=["llama", "vit", "lora"])  # fmt: skip
 def test_held_out_models_peak_within_10_percent_in_the_predicted_phase(
-    cluster: axon_nb.Cluster, model: object, data: object, strategies: list[object],
+    pooled_cluster_2: axon_nb.Cluster, model: object, data: object, strategies: list[object],
     optimizer: object, mixed: str | None,
 ) -> None:  # fmt: skip
-    table = cluster.compare(
+    table = pooled_cluster_2.compare(
         strategies, model=model, data=data, batch_size=8, steps=3, warmup=1,
         optimizer=optimizer, mixed_precision=mixed,
     )  # fmt: skip
@@ -95,11 +95,11 @@ def _promise(cluster: axon_nb.Cluster, model: object, strategy: ZeRO) -> tuple[f
                          (MANY_BUCKETS, ZeRO(stage=2, bucket_cap_mb=1))],
                          ids=["one-bucket-model", "many-buckets"])  # fmt: skip
 def test_zero2_keeps_the_papers_promise_at_the_peak(
-    cluster: axon_nb.Cluster, model: object, strategy: ZeRO
+    pooled_cluster_2: axon_nb.Cluster, model: object, strategy: ZeRO
 ) -> None:
-    promise, bucket = _promise(cluster, model, strategy)
-    zero2 = cluster.train(model=model, strategy=strategy, **RUN)
-    ddp = cluster.train(model=model, strategy=DDP(), **RUN)
+    promise, bucket = _promise(pooled_cluster_2, model, strategy)
+    zero2 = pooled_cluster_2.train(model=model, strategy=strategy, **RUN)
+    ddp = pooled_cluster_2.train(model=model, strategy=DDP(), **RUN)
     peak = max(m["peak_bytes"] for m in zero2.memory)
     assert peak <= 1.1 * promise, (peak / 2**20, promise / 2**20)
     # against DDP it saves what the paper says (half the gradients and of the momentum on 2
@@ -138,9 +138,13 @@ LATE = [  # (model, data, strategy, mixed precision): peaks away from the start 
 @pytest.mark.parametrize(("model", "data", "strategy", "mixed"), LATE,
                          ids=["zero2-middle", "fsdp-middle", "pipeline-convnet"])  # fmt: skip
 def test_peaks_inside_backward_are_predicted_within_10_percent(
-    cluster: axon_nb.Cluster, model: object, data: object, strategy: object, mixed: str | None
+    pooled_cluster_2: axon_nb.Cluster,
+    model: object,
+    data: object,
+    strategy: object,
+    mixed: str | None,
 ) -> None:
-    [row] = cluster.compare(
+    [row] = pooled_cluster_2.compare(
         [strategy], model=model, data=data, loss=nn.functional.cross_entropy, batch_size=16,
         steps=3, warmup=1, optimizer=ADAMW, mixed_precision=mixed,
     ).rows  # fmt: skip
@@ -149,9 +153,11 @@ def test_peaks_inside_backward_are_predicted_within_10_percent(
     assert 0.9 <= ratio <= 1.1, ratio
 
 
-def test_ddp_keeps_one_copy_of_the_gradients(cluster: axon_nb.Cluster) -> None:
-    views = cluster.train(model=ONE_BUCKET, strategy=DDP(), **RUN)
-    copies = cluster.train(model=ONE_BUCKET, strategy=DDP(gradient_as_bucket_view=False), **RUN)
+def test_ddp_keeps_one_copy_of_the_gradients(pooled_cluster_2: axon_nb.Cluster) -> None:
+    views = pooled_cluster_2.train(model=ONE_BUCKET, strategy=DDP(), **RUN)
+    copies = pooled_cluster_2.train(
+        model=ONE_BUCKET, strategy=DDP(gradient_as_bucket_view=False), **RUN
+    )
     grads = views.ranks[0]["memory"]["param_bytes"]  # as many bytes as the parameters
     parts = views.ranks[0]["memory"]["peak_parts"]
     assert "grads" not in parts and parts["buckets"] == grads  # the gradients are the buckets

@@ -54,88 +54,122 @@ def mapped_copies() -> set[tuple[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def ds() -> TensorDataset:
+def tensor_dataset() -> TensorDataset:
     return dataset()
 
 
 def test_sent_once_then_reused_equal_to_train_local_and_the_callable_form(
-    cluster: axon_nb.Cluster, ds: TensorDataset
+    pooled_cluster_2: axon_nb.Cluster, tensor_dataset: TensorDataset
 ) -> None:
-    ref = axon_nb.train_local(**ARGS, data=ds)
-    base = dataclasses.replace(notebook_data.stats(cluster))
-    first = cluster.train(**ARGS, data=ds)
-    sent = dataclasses.replace(notebook_data.stats(cluster))
+    ref = axon_nb.train_local(**ARGS, data=tensor_dataset)
+    base = dataclasses.replace(notebook_data.stats(pooled_cluster_2))
+    first = pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    sent = dataclasses.replace(notebook_data.stats(pooled_cluster_2))
     assert sent.tensors_sent - base.tensors_sent == 2  # one host: each tensor once
-    assert sent.bytes_sent - base.bytes_sent == sum(t.nbytes for t in ds.tensors)
+    assert sent.bytes_sent - base.bytes_sent == sum(t.nbytes for t in tensor_dataset.tensors)
     assert first.losses == pytest.approx(ref.losses, rel=1e-5)
 
-    second = cluster.train(**ARGS, data=ds)
-    again = notebook_data.stats(cluster)
+    second = pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    again = notebook_data.stats(pooled_cluster_2)
     assert (again.tensors_sent, again.bytes_sent) == (sent.tensors_sent, sent.bytes_sent)
     assert again.tensors_reused == sent.tensors_reused + 2
     assert second.losses == first.losses
 
-    uncached = cluster.train(**ARGS, data=lambda: ds)  # pickled whole to every rank
-    assert notebook_data.stats(cluster).calls == again.calls
+    uncached = pooled_cluster_2.train(
+        **ARGS, data=lambda: tensor_dataset
+    )  # pickled whole to every rank
+    assert notebook_data.stats(pooled_cluster_2).calls == again.calls
     assert uncached.losses == first.losses
 
 
 def test_the_ranks_of_a_host_map_one_copy_and_no_file_stays(
-    cluster: axon_nb.Cluster, ds: TensorDataset
+    pooled_cluster_2: axon_nb.Cluster, tensor_dataset: TensorDataset
 ) -> None:
-    cluster.train(**ARGS, data=ds)
-    maps = cluster.run(mapped_copies, stream=False)
+    pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    maps = pooled_cluster_2.run(mapped_copies, stream=False)
     assert len(maps[0]) == 2 and maps[0] == maps[1]  # the same two files, mapped by both
-    pids = [r["pid"] for r in cluster.ranks]  # other test workers may be writing theirs
+    pids = [r["pid"] for r in pooled_cluster_2.ranks]  # other test workers may be writing theirs
     assert [p for pid in pids for p in leftovers(pid)] == []  # unlinked once every rank mapped it
 
 
 def test_an_in_place_change_is_noticed_and_only_it_sent_again(
-    cluster: axon_nb.Cluster, ds: TensorDataset
+    pooled_cluster_2: axon_nb.Cluster, tensor_dataset: TensorDataset
 ) -> None:
-    x, y = ds.tensors
-    cluster.train(**ARGS, data=ds)
-    keys = cluster.run(held_keys, stream=False)[0]
-    before = dataclasses.replace(notebook_data.stats(cluster))
+    x, y = tensor_dataset.tensors
+    pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    keys = pooled_cluster_2.run(held_keys, stream=False)[0]
+    before = dataclasses.replace(notebook_data.stats(pooled_cluster_2))
 
     x[5] += 1.0  # torch counts this write (the tensor's version)
-    changed = cluster.train(**ARGS, data=ds)
-    after = dataclasses.replace(notebook_data.stats(cluster))
+    changed = pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    after = dataclasses.replace(notebook_data.stats(pooled_cluster_2))
     assert (after.tensors_sent, after.bytes_sent) == (
         before.tensors_sent + 1,
         before.bytes_sent + x.nbytes,
     )
-    assert changed.losses == pytest.approx(axon_nb.train_local(**ARGS, data=ds).losses, rel=1e-5)
-    now = cluster.run(held_keys, stream=False)
+    assert changed.losses == pytest.approx(
+        axon_nb.train_local(**ARGS, data=tensor_dataset).losses, rel=1e-5
+    )
+    now = pooled_cluster_2.run(held_keys, stream=False)
     assert now[0] == now[1] and len(now[0]) == 2 and len(set(now[0]) & set(keys)) == 1
 
     y.numpy()[0, 0] = 7.0  # torch does not count this one; the first sampled window sees it
-    cluster.train(**ARGS, data=ds)
-    assert notebook_data.stats(cluster).bytes_sent == after.bytes_sent + y.nbytes
+    pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    assert notebook_data.stats(pooled_cluster_2).bytes_sent == after.bytes_sent + y.nbytes
 
 
 def test_a_copy_written_on_a_rank_is_sent_again(
-    cluster: axon_nb.Cluster, ds: TensorDataset
+    pooled_cluster_2: axon_nb.Cluster, tensor_dataset: TensorDataset
 ) -> None:
-    cluster.train(**ARGS, data=ds)
-    before = notebook_data.stats(cluster).tensors_sent
+    pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    before = notebook_data.stats(pooled_cluster_2).tensors_sent
 
     def scribble() -> None:
         from axon_nb.rank.data import shared_tensors
 
         next(iter(shared_tensors._held.values())).tensor.zero_()
 
-    cluster.run(scribble, ranks=[1], stream=False)
-    result = cluster.train(**ARGS, data=ds)
-    assert notebook_data.stats(cluster).tensors_sent == before + 1
-    assert result.losses == pytest.approx(axon_nb.train_local(**ARGS, data=ds).losses, rel=1e-5)
+    pooled_cluster_2.run(scribble, ranks=[1], stream=False)
+    result = pooled_cluster_2.train(**ARGS, data=tensor_dataset)
+    assert notebook_data.stats(pooled_cluster_2).tensors_sent == before + 1
+    assert result.losses == pytest.approx(
+        axon_nb.train_local(**ARGS, data=tensor_dataset).losses, rel=1e-5
+    )
 
 
-def test_nothing_stays_in_dev_shm_after_the_cluster_stops(cluster: axon_nb.Cluster) -> None:
+def test_nothing_stays_in_dev_shm_after_the_cluster_stops(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     # A transfer cut short leaves its file: the engine's parent removes it when the engine ends.
     piece = ("cut-short", 1 << 20, 0, bytes(4096))
-    made = cluster.run(entry.shared_write, [piece], ranks=[0], stream=False)[0]
+    made = pooled_cluster_2.run(entry.shared_write, [piece], ranks=[0], stream=False)[0]
     assert os.path.exists(made["cut-short"])
-    pids = [r["pid"] for r in cluster.ranks]
-    cluster.stop()
+    pids = [r["pid"] for r in pooled_cluster_2.ranks]
+    pooled_cluster_2.stop()
     assert [p for pid in pids for p in leftovers(pid)] == []
+
+
+def test_eval_data_and_the_data_of_evaluate_and_predict_are_shared_the_same_way(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    """Every dataset argument goes through the once-per-host sharing: ``eval_data`` during
+    training, then ``evaluate`` and ``predict`` on the same object send nothing again, and
+    give what the uncached callable form gives."""
+    held_out = dataset()
+    base = dataclasses.replace(notebook_data.stats(pooled_cluster_2))
+    pooled_cluster_2.train(
+        **ARGS, data=lambda: held_out, eval_data=held_out, eval_every=3, name="shared_eval"
+    )
+    trained = dataclasses.replace(notebook_data.stats(pooled_cluster_2))
+    assert trained.tensors_sent - base.tensors_sent == 2  # eval_data's two tensors, once
+    shared = pooled_cluster_2.evaluate(held_out, loss=mse, batch_size=64, name="shared_eval")
+    outputs = pooled_cluster_2.predict(held_out, batch_size=64, name="shared_eval")
+    after = notebook_data.stats(pooled_cluster_2)
+    assert (after.tensors_sent, after.bytes_sent) == (trained.tensors_sent, trained.bytes_sent)
+    assert after.tensors_reused == trained.tensors_reused + 4  # evaluate's and predict's
+    whole = pooled_cluster_2.evaluate(
+        lambda: held_out, loss=mse, batch_size=64, name="shared_eval"
+    )  # pickled whole to every rank
+    assert shared == whole
+    assert torch.equal(outputs, pooled_cluster_2.predict(lambda: held_out, batch_size=64,
+                                                         name="shared_eval"))  # fmt: skip

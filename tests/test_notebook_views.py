@@ -78,16 +78,16 @@ def held_bytes() -> int:
 
 
 def test_views_go_once_as_their_spans_and_train_as_in_one_process(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     ds = Views()
-    notebook_data.forget(cluster)
-    before_held = cluster.run(held_bytes, stream=False)
-    base = dataclasses.replace(notebook_data.stats(cluster))
-    result = cluster.train(**ARGS, data=ds)
+    notebook_data.forget(pooled_cluster_2)
+    before_held = pooled_cluster_2.run(held_bytes, stream=False)
+    base = dataclasses.replace(notebook_data.stats(pooled_cluster_2))
+    result = pooled_cluster_2.train(**ARGS, data=ds)
     assert result.losses == pytest.approx(axon_nb.train_local(**ARGS, data=ds).losses, rel=1e-5)
 
-    sent = notebook_data.stats(cluster)
+    sent = notebook_data.stats(pooled_cluster_2)
     base_span = ROWS * (WIDTH + OUT) * 4  # x and x_t: one span, the whole base
     y_copy = ROWS * OUT * 4
     numpy_span = (2 * ROWS - 1) * OUT * 4  # every other row: first to last
@@ -96,16 +96,18 @@ def test_views_go_once_as_their_spans_and_train_as_in_one_process(
     spans = base_span + y_copy + numpy_span + frame + scale
     assert sent.bytes_sent - base.bytes_sent == spans
     assert sent.tensors_sent - base.tensors_sent == 5
-    after = cluster.run(held_bytes, stream=False)
+    after = pooled_cluster_2.run(held_bytes, stream=False)
     held = [a - b for a, b in zip(after, before_held, strict=True)]
     assert held[0] == held[1] == spans  # one mapped copy per host; both ranks map it
 
-    shared = notebook_data.share(cluster, ds)
+    shared = notebook_data.share(pooled_cluster_2, ds)
     assert len(shared.skeleton) < 64 << 10
-    assert notebook_data.stats(cluster).bytes_sent == sent.bytes_sent  # unchanged: nothing sent
-    on_rank = cluster.run(rebuilt_sharing, shared, stream=False)[0]
+    assert (
+        notebook_data.stats(pooled_cluster_2).bytes_sent == sent.bytes_sent
+    )  # unchanged: nothing sent
+    on_rank = pooled_cluster_2.run(rebuilt_sharing, shared, stream=False)[0]
     assert on_rank["x_and_x_t_share"] and on_rank["x_t_is_x_transposed"]
     assert on_rank["strides"] == (ds.x.stride(), ds.x_t.stride(), ds.scale.stride())
     assert on_rank["numpy"] == "ndarray" and on_rank["label"]
     assert on_rank["frame"] == pytest.approx(float(ds.frame.to_numpy().sum()), rel=1e-6)
-    cluster.run(entry.shared_held, [], [m.key for m in shared.tensors], stream=False)
+    pooled_cluster_2.run(entry.shared_held, [], [m.key for m in shared.tensors], stream=False)

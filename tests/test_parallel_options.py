@@ -145,9 +145,9 @@ def test_no_module_name_is_on_both_sides() -> None:
     ids=repr,
 )
 def test_options_on_two_ranks_equal_one_process(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
 ) -> None:
-    check_equal(cluster, reference, {**ARGS, "strategy": strategy}, **EXACT)
+    check_equal(pooled_cluster_2, reference, {**ARGS, "strategy": strategy}, **EXACT)
 
 
 @pytest.mark.cluster
@@ -164,19 +164,19 @@ def test_options_on_two_ranks_equal_one_process(
     ids=repr,
 )
 def test_hybrid_data_parallel_axis_on_four_ranks_equals_one_process(
-    cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
+    pooled_cluster_4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
 ) -> None:
-    check_equal(cluster4, reference, {**ARGS, "strategy": strategy}, **EXACT)
+    check_equal(pooled_cluster_4, reference, {**ARGS, "strategy": strategy}, **EXACT)
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", [ZeRO(stage=2), FSDP(), Pipeline()], ids=repr)
 def test_fp16_with_sharded_gradients_equals_one_process(
-    cluster: axon_nb.Cluster, reference_fp16: axon_nb.TrainResult, strategy: Any
+    pooled_cluster_2: axon_nb.Cluster, reference_fp16: axon_nb.TrainResult, strategy: Any
 ) -> None:
     args = {**ARGS, "strategy": strategy, "mixed_precision": "fp16", "clip_grad_norm": 1.0}
-    result = check_equal(cluster, reference_fp16, args, **LOSSY)
+    result = check_equal(pooled_cluster_2, reference_fp16, args, **LOSSY)
     norms = [h["grad_norm"] for h in result.history]
     assert norms == pytest.approx([h["grad_norm"] for h in reference_fp16.history], rel=1e-3)
 
@@ -198,20 +198,22 @@ def _one_rank_overflows() -> tuple[bool, float]:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(120)
-def test_ranks_agree_to_skip_a_step_when_one_finds_an_inf(cluster: axon_nb.Cluster) -> None:
-    assert cluster.run(_one_rank_overflows) == [(True, 32768.0), (True, 32768.0)]
+def test_ranks_agree_to_skip_a_step_when_one_finds_an_inf(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    assert pooled_cluster_2.run(_one_rank_overflows) == [(True, 32768.0), (True, 32768.0)]
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(300)
 def test_a_checkpoint_of_wrapped_blocks_loads_into_plain_ones(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
-    cluster.train(**ARGS, strategy=ZeRO(stage=2, activation_checkpointing=True))
-    saved = cluster.run(full_params, stream=False)[0]
-    cluster.save(tmp_path / "ckpt", kind="sharded")
-    cluster.train(**{**ARGS, "steps": 0}, strategy=DDP())
-    cluster.load(tmp_path / "ckpt")
-    loaded = cluster.run(full_params, stream=False)[0]
+    pooled_cluster_2.train(**ARGS, strategy=ZeRO(stage=2, activation_checkpointing=True))
+    saved = pooled_cluster_2.run(full_params, stream=False)[0]
+    pooled_cluster_2.save(tmp_path / "ckpt", kind="sharded")
+    pooled_cluster_2.train(**{**ARGS, "steps": 0}, strategy=DDP())
+    pooled_cluster_2.load(tmp_path / "ckpt")
+    loaded = pooled_cluster_2.run(full_params, stream=False)[0]
     assert saved.keys() == loaded.keys()
     assert all(torch.equal(saved[k], loaded[k]) for k in saved)

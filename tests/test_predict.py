@@ -48,29 +48,36 @@ TWO_RANKS = [DDP(), FSDP(), ZeRO(stage=2), TensorParallel(), Pipeline(microbatch
 
 
 @pytest.mark.parametrize("strategy", TWO_RANKS, ids=str)
-def test_outputs_equal_one_process_in_data_order(cluster: axon_nb.Cluster, strategy: Any) -> None:
-    cluster.train(**RUN, strategy=strategy)
-    got = cluster.predict(TEST, batch_size=5)
-    want = _reference(cluster)
+def test_outputs_equal_one_process_in_data_order(
+    pooled_cluster_2: axon_nb.Cluster, strategy: Any
+) -> None:
+    pooled_cluster_2.train(**RUN, strategy=strategy)
+    got = pooled_cluster_2.predict(TEST, batch_size=5)
+    want = _reference(pooled_cluster_2)
     assert got.shape == want.shape == (ROWS, 16, 64)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert cluster.run(lambda: 1) == [1, 1]
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
 @pytest.mark.parametrize("strategy", [Hybrid(dp=2, pp=2), Hybrid(dp=2, tp=2)], ids=str)
-def test_four_rank_layouts_predict_in_data_order(cluster4: axon_nb.Cluster, strategy: Any) -> None:
-    cluster4.train(**RUN, strategy=strategy)
+def test_four_rank_layouts_predict_in_data_order(
+    pooled_cluster_4: axon_nb.Cluster, strategy: Any
+) -> None:
+    pooled_cluster_4.train(**RUN, strategy=strategy)
     torch.testing.assert_close(
-        cluster4.predict(TEST, batch_size=3), _reference(cluster4), rtol=1e-5, atol=1e-5
+        pooled_cluster_4.predict(TEST, batch_size=3),
+        _reference(pooled_cluster_4),
+        rtol=1e-5,
+        atol=1e-5,
     )
 
 
-def test_a_llama_returns_its_model_output_with_logits(cluster: axon_nb.Cluster) -> None:
+def test_a_llama_returns_its_model_output_with_logits(pooled_cluster_2: axon_nb.Cluster) -> None:
     data = FixedTokens(count=ROWS)
-    cluster.train(tiny_llama, FixedTokens(), strategy=FSDP(), steps=2, batch_size=8)
-    got = cluster.predict(data, batch_size=4)
+    pooled_cluster_2.train(tiny_llama, FixedTokens(), strategy=FSDP(), steps=2, batch_size=8)
+    got = pooled_cluster_2.predict(data, batch_size=4)
     model = tiny_llama()
-    model.load_state_dict(cluster.run(_full_model, stream=False)[0])
+    model.load_state_dict(pooled_cluster_2.run(_full_model, stream=False)[0])
     model.eval()
     with torch.no_grad():
         want = model(input_ids=data.ids, labels=data.ids)
@@ -79,9 +86,11 @@ def test_a_llama_returns_its_model_output_with_logits(cluster: axon_nb.Cluster) 
     torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
 
 
-def test_output_dir_keeps_the_rows_in_files(cluster: axon_nb.Cluster, tmp_path: Any) -> None:
-    cluster.train(**RUN, strategy=DDP())
-    files = cluster.predict(TEST, batch_size=5, output_dir=tmp_path)
+def test_output_dir_keeps_the_rows_in_files(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any
+) -> None:
+    pooled_cluster_2.train(**RUN, strategy=DDP())
+    files = pooled_cluster_2.predict(TEST, batch_size=5, output_dir=tmp_path)
     assert [os.path.basename(f) for f in files] == [
         "predictions-00000-of-00002.pt",
         "predictions-00001-of-00002.pt",
@@ -90,20 +99,22 @@ def test_output_dir_keeps_the_rows_in_files(cluster: axon_nb.Cluster, tmp_path: 
     for path in files:
         part = torch.load(path)
         rows[part["indices"]] = part["outputs"]
-    torch.testing.assert_close(rows, _reference(cluster), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rows, _reference(pooled_cluster_2), rtol=1e-5, atol=1e-5)
 
 
-def test_bad_input_is_refused_and_the_model_stays(cluster: axon_nb.Cluster, tmp_path: Any) -> None:
-    cluster.train(**RUN, strategy=DDP())
+def test_bad_input_is_refused_and_the_model_stays(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any
+) -> None:
+    pooled_cluster_2.train(**RUN, strategy=DDP())
     with pytest.raises(ValueError, match="batch_size must be a positive integer"):
-        cluster.predict(TEST, batch_size=0)
+        pooled_cluster_2.predict(TEST, batch_size=0)
     with pytest.raises(ValueError, match="is not a directory"):
-        cluster.predict(TEST, batch_size=4, output_dir=tmp_path / "missing")
+        pooled_cluster_2.predict(TEST, batch_size=4, output_dir=tmp_path / "missing")
     with pytest.raises(axon_nb.RankError, match="nothing"):
-        cluster.predict(TEST, batch_size=4, name="nothing")
+        pooled_cluster_2.predict(TEST, batch_size=4, name="nothing")
     with pytest.raises(axon_nb.RankError, match="predict at least one sample per rank"):
-        cluster.predict(torch.utils.data.Subset(TEST, [0]), batch_size=4)
-    assert cluster.predict(TEST, batch_size=8).shape == (ROWS, 16, 64)
+        pooled_cluster_2.predict(torch.utils.data.Subset(TEST, [0]), batch_size=4)
+    assert pooled_cluster_2.predict(TEST, batch_size=8).shape == (ROWS, 16, 64)
 
 
 def test_train_local_outputs_are_the_reference() -> None:

@@ -46,7 +46,7 @@ FOUR_RANKS = [
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
+def own_cluster_2() -> Iterator[axon_nb.Cluster]:
     """Ranks of this module's own, not the pool's: the 22 layouts compared here leave each
     rank's destroyed process groups (and their gloo threads) to the cycle collector, and the
     one full run in which the pool's ranks went on from here to
@@ -59,8 +59,8 @@ def cluster() -> Iterator[axon_nb.Cluster]:
 
 
 @pytest.fixture(scope="module")
-def cluster4() -> Iterator[axon_nb.Cluster]:
-    """Four ranks of this module's own (see ``cluster``)."""
+def own_cluster_4() -> Iterator[axon_nb.Cluster]:
+    """Four ranks of this module's own (see ``own_cluster_2``)."""
     with axon_nb.Cluster(n=4, timeout=120) as fresh:
         yield fresh
 
@@ -69,12 +69,12 @@ def _check(table: axon_nb.train.compare.Comparison) -> None:
     check_predictions(table, memory_tol=0.10, comm_tol=0.05)
 
 
-def test_predictions_match_two_ranks(cluster: axon_nb.Cluster) -> None:
-    table = cluster.compare(TWO_RANKS, **TRAIN)
+def test_predictions_match_two_ranks(own_cluster_2: axon_nb.Cluster) -> None:
+    table = own_cluster_2.compare(TWO_RANKS, **TRAIN)
     # the advisor on a cluster: the model profiled on rank 0, the links as measured
-    measured = cluster.bandwidth("all_reduce", sizes="256K:1M", iters=3)
-    advice = cluster.advise(TRAIN["model"], TRAIN["data"], lm_loss, device_memory="1GB",
-                            batch_size=16)  # fmt: skip
+    measured = own_cluster_2.bandwidth("all_reduce", sizes="256K:1M", iters=3)
+    advice = own_cluster_2.advise(TRAIN["model"], TRAIN["data"], lm_loss, device_memory="1GB",
+                                  batch_size=16)  # fmt: skip
     _check(table)
     assert "predicted" in str(table).splitlines()[0]
     assert advice.best is not None and all(r["fits"] for r in advice.rows if "fits" in r)
@@ -83,5 +83,5 @@ def test_predictions_match_two_ranks(cluster: axon_nb.Cluster) -> None:
     assert links.intra_host == links.inter_host == top
 
 
-def test_predictions_match_four_ranks(cluster4: axon_nb.Cluster) -> None:
-    _check(cluster4.compare(FOUR_RANKS, **TRAIN))
+def test_predictions_match_four_ranks(own_cluster_4: axon_nb.Cluster) -> None:
+    _check(own_cluster_4.compare(FOUR_RANKS, **TRAIN))

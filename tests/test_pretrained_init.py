@@ -143,7 +143,7 @@ def reference(saved: dict[str, Path]) -> dict[str, axon_nb.TrainResult]:
     ids=["fsdp", "tp", "ddp", "fsdp-tied"],
 )
 def test_a_layout_trains_as_from_pretrained_in_one_process(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
     saved: dict[str, Path],
     reference: dict[str, axon_nb.TrainResult],
     kind: str,
@@ -152,12 +152,12 @@ def test_a_layout_trains_as_from_pretrained_in_one_process(
     from transformers import AutoModelForCausalLM
 
     model = axon_nb.pretrained(AutoModelForCausalLM, saved[kind])
-    result = cluster.train(model=model, strategy=strategy, **RUN)
+    result = pooled_cluster_2.train(model=model, strategy=strategy, **RUN)
     _assert_same_losses(result.losses, reference[kind].losses)
     # the weights were read: a random start (the run's seed) has another first loss
     assert abs(result.losses[0] - reference["random"].losses[0]) > 1e-2
     if kind == "tied":
-        assert cluster.run(_tied) == [True, True]
+        assert pooled_cluster_2.run(_tied) == [True, True]
 
 
 def _tied() -> bool:
@@ -168,13 +168,15 @@ def _tied() -> bool:
 
 
 def test_fsdp_over_tensor_parallel_reads_each_ranks_block(
-    cluster4: axon_nb.Cluster, saved: dict[str, Path], reference: dict[str, axon_nb.TrainResult]
+    pooled_cluster_4: axon_nb.Cluster,
+    saved: dict[str, Path],
+    reference: dict[str, axon_nb.TrainResult],
 ) -> None:
     """Two dimensions: each weight is split by tensor parallelism, then sharded by FSDP."""
     from transformers import AutoModelForCausalLM
 
     model = axon_nb.pretrained(AutoModelForCausalLM, saved["plain"])
-    result = cluster4.train(model=model, strategy=Hybrid(dp=2, tp=2, plan="auto"), **RUN)
+    result = pooled_cluster_4.train(model=model, strategy=Hybrid(dp=2, tp=2, plan="auto"), **RUN)
     _assert_same_losses(result.losses, reference["plain"].losses)
 
 
@@ -186,7 +188,7 @@ def _gpt() -> Any:
 
 @pytest.mark.parametrize("form", ["torch", "llama"])
 def test_a_pipeline_reads_only_its_stages(
-    cluster: axon_nb.Cluster, saved: dict[str, Path], tmp_path: Path, form: str
+    pooled_cluster_2: axon_nb.Cluster, saved: dict[str, Path], tmp_path: Path, form: str
 ) -> None:
     from safetensors.torch import save_model
 
@@ -205,7 +207,7 @@ def test_a_pipeline_reads_only_its_stages(
         build, random_start = _from_pretrained(saved["plain"]), tiny_llama
         run = dict(data=hf_rows(), steps=STEPS, batch_size=8, optimizer=("adamw", {"lr": 1e-2}))
     reference = axon_nb.train_local(model=build, **run)
-    result = cluster.train(model=model, strategy=Pipeline(microbatches=2), **run)
+    result = pooled_cluster_2.train(model=model, strategy=Pipeline(microbatches=2), **run)
     _assert_same_losses(result.losses, reference.losses)
     random = axon_nb.train_local(model=random_start, **{**run, "steps": 1})
     assert abs(result.losses[0] - random.losses[0]) > 1e-2
@@ -226,7 +228,7 @@ def _loaded_gpt(tmp_path: Path) -> Any:
 
 
 def test_bad_input_is_refused_with_what_to_do(
-    cluster: axon_nb.Cluster, saved: dict[str, Path], tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, saved: dict[str, Path], tmp_path: Path
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
@@ -261,14 +263,14 @@ def test_bad_input_is_refused_with_what_to_do(
         match=r"1 parameter\(s\) have no tensor in the files: score\.weight.*"
         r"from_pretrained\(path\), which initialises them randomly",
     ):
-        cluster.train(model=head, strategy=FSDP(), **{**RUN, "steps": 1})
+        pooled_cluster_2.train(model=head, strategy=FSDP(), **{**RUN, "steps": 1})
     wide = axon_nb.pretrained(AutoModelForCausalLM, saved["plain"], hidden_size=64)
     with pytest.raises(axon_nb.RankError, match=r"differ in shape.*\(64, 64\) in the model"):
-        cluster.train(model=wide, **{**RUN, "steps": 1})
+        pooled_cluster_2.train(model=wide, **{**RUN, "steps": 1})
     unknown = axon_nb.pretrained(AutoModelForCausalLM, saved["plain"], no_such_option=1)
     with pytest.raises(axon_nb.RankError, match=r"\['no_such_option'\] are neither dtype"):
-        cluster.train(model=unknown, **{**RUN, "steps": 1})
-    assert cluster.run(lambda: 1) == [1, 1]
+        pooled_cluster_2.train(model=unknown, **{**RUN, "steps": 1})
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
 # -- memory: one copy per host, not one per rank ------------------------------------------
@@ -323,15 +325,17 @@ def startup_peak(cluster: axon_nb.Cluster, model: Any, name: str) -> float:
 
 
 def test_a_host_holds_about_one_copy_while_fsdp_starts(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(**BIG)).save_pretrained(tmp_path)
     size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors")) / 2**20
     # (the whole model first: the modules a run imports on first use are then loaded too)
-    whole = startup_peak(cluster, _from_pretrained(tmp_path), "whole")
-    meta = startup_peak(cluster, axon_nb.pretrained(AutoModelForCausalLM, tmp_path), "meta")
+    whole = startup_peak(pooled_cluster_2, _from_pretrained(tmp_path), "whole")
+    meta = startup_peak(
+        pooled_cluster_2, axon_nb.pretrained(AutoModelForCausalLM, tmp_path), "meta"
+    )
     print(f"checkpoint {size:.0f} MiB; peak added over 2 ranks: pretrained() {meta:.0f} MiB "
           f"({meta / size:.2f}x), from_pretrained on every rank {whole:.0f} MiB "
           f"({whole / size:.2f}x)")  # fmt: skip

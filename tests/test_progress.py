@@ -53,15 +53,15 @@ def test_a_bar_draws_in_a_terminal_and_nothing_into_a_file() -> None:
 
 
 def test_train_evaluate_predict_and_compare_draw_their_bars(
-    cluster: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch
+    pooled_cluster_2: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     terminal = Terminal()
     monkeypatch.setattr("sys.stdout", terminal)
     data = make_data(64)
-    cluster.train(make_mlp, data, loss=mse, strategy=DDP(), steps=12, batch_size=8)
-    cluster.evaluate(data, loss=mse, batch_size=4)
-    cluster.predict(data, batch_size=4)
-    cluster.compare(
+    pooled_cluster_2.train(make_mlp, data, loss=mse, strategy=DDP(), steps=12, batch_size=8)
+    pooled_cluster_2.evaluate(data, loss=mse, batch_size=4)
+    pooled_cluster_2.predict(data, batch_size=4)
+    pooled_cluster_2.compare(
         [DDP(), ZeRO(stage=1)], model=make_mlp, data=data, loss=mse, steps=3, batch_size=8
     )
     bars = last_bars(terminal.getvalue())
@@ -76,13 +76,13 @@ def test_train_evaluate_predict_and_compare_draw_their_bars(
 
 
 def test_output_to_a_file_gets_no_bar(
-    cluster: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch
+    pooled_cluster_2: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = io.StringIO()
     monkeypatch.setattr("sys.stdout", log)
     data = make_data(64)
-    cluster.train(make_mlp, data, loss=mse, strategy=DDP(), steps=6, batch_size=8)
-    cluster.evaluate(data, loss=mse, batch_size=4)
+    pooled_cluster_2.train(make_mlp, data, loss=mse, strategy=DDP(), steps=6, batch_size=8)
+    pooled_cluster_2.evaluate(data, loss=mse, batch_size=4)
     assert "|" not in log.getvalue() and "\r" not in log.getvalue()
 
 

@@ -67,7 +67,9 @@ class TimedClient(NotebookClient):
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], TimedClient]:
+def executed_notebook(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], TimedClient]:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS.values()])
     client = TimedClient(nb, timeout=120, kernel_name="python3", store_widget_state=True)
     client.arrivals = []
@@ -86,8 +88,8 @@ def displays(cell: Any) -> list[str]:
     return [o.data.get("text/plain", "") for o in cell.outputs if o.output_type == "display_data"]
 
 
-def test_each_rank_updates_its_own_display_while_the_cell_runs(run) -> None:
-    cells, client = run
+def test_each_rank_updates_its_own_display_while_the_cell_runs(executed_notebook) -> None:
+    cells, client = executed_notebook
     want = ["[rank 0] 'rank 0 step 2'", "[rank 1] 'rank 1 step 2'"]
     assert sorted(displays(cells["update"])) == want
     index = list(CELLS).index("update")
@@ -99,8 +101,8 @@ def test_each_rank_updates_its_own_display_while_the_cell_runs(run) -> None:
     assert len(updates) >= 4 and updates[0] < ended - 0.5
 
 
-def test_clear_output_clears_only_its_ranks_region(run) -> None:
-    cells, _ = run
+def test_clear_output_clears_only_its_ranks_region(executed_notebook) -> None:
+    cells, _ = executed_notebook
     text = texts(cells["clear"])
     assert "[rank 0] kept line\n" in text and "[rank 1] kept line\n" in text
     for rank in (0, 1):
@@ -108,8 +110,8 @@ def test_clear_output_clears_only_its_ranks_region(run) -> None:
     assert not [t for t in text if "tick 0" in t or "tick 1" in t or "shown 0" in t]
 
 
-def test_carriage_return_progress_is_one_live_line_per_rank(run) -> None:
-    cells, client = run
+def test_carriage_return_progress_is_one_live_line_per_rank(executed_notebook) -> None:
+    cells, client = executed_notebook
     text = texts(cells["carriage"])
     assert "[rank 0] progress 4/4" in text and "[rank 1] progress 4/4" in text
     assert "[rank 0] after\n" in text and "[rank 1] after\n" in text
@@ -120,8 +122,8 @@ def test_carriage_return_progress_is_one_live_line_per_rank(run) -> None:
     assert len({line for line in lines if line.startswith("[rank 0] progress")}) >= 3
 
 
-def test_tqdm_bars_show_per_rank_text_and_widgets(run) -> None:
-    cells, _ = run
+def test_tqdm_bars_show_per_rank_text_and_widgets(executed_notebook) -> None:
+    cells, _ = executed_notebook
     # its last state: in the rank's live line, or printed once where it ended before it
     # could show (the rank's output came in one piece)
     lines = [line for t in texts(cells["tqdm_text"]) for line in t.splitlines()]
@@ -135,8 +137,8 @@ def test_tqdm_bars_show_per_rank_text_and_widgets(run) -> None:
     assert labels == ["[rank 0]", "[rank 1]"]
 
 
-def test_widget_bars_from_ranks_reach_the_end(run) -> None:
-    cells, client = run
+def test_widget_bars_from_ranks_reach_the_end(executed_notebook) -> None:
+    cells, client = executed_notebook
     state = client.nb.metadata.widgets["application/vnd.jupyter.widget-state+json"]["state"]
     views = [o.data.get(WIDGET) for o in cells["tqdm_widget"].outputs if WIDGET in o.data]
     assert len(views) == 2
@@ -147,6 +149,6 @@ def test_widget_bars_from_ranks_reach_the_end(run) -> None:
         assert values == [4.0], json.dumps(bar)[:400]
 
 
-def test_ranks_option_shows_that_ranks_output_only(run) -> None:
-    cells, _ = run
+def test_ranks_option_shows_that_ranks_output_only(executed_notebook) -> None:
+    cells, _ = executed_notebook
     assert displays(cells["one_rank"]) == ["[rank 0] 'only 0'"]

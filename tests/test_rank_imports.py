@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[axon_nb.Cluster]:
-    """A fresh cluster: a pooled one may have imported earlier test modules (and through them
-    the kernel side) to run their functions."""
+def own_cluster_2() -> Iterator[axon_nb.Cluster]:
+    """Two ranks of this module's own, stopped after it: a pooled one may have imported
+    earlier test modules (and through them the kernel side) to run their functions."""
     with axon_nb.Cluster(n=2, timeout=60) as fresh:
         yield fresh
 
@@ -46,17 +46,17 @@ def _heavy_modules() -> list[str]:
     return [name for name in HEAVY if name in sys.modules]
 
 
-def test_a_ddp_run_loads_no_pipelining_or_checkpointing(cluster: axon_nb.Cluster) -> None:
+def test_a_ddp_run_loads_no_pipelining_or_checkpointing(own_cluster_2: axon_nb.Cluster) -> None:
     """(First in this module: the next test checkpoints.) A first DDP call took 2.5 s, 2.0 s
     without these imports."""
-    cluster.train(make_mlp, make_data(), loss=mse, steps=3, batch_size=16, strategy=DDP())
-    assert cluster.run(_heavy_modules, stream=False) == [[], []]
+    own_cluster_2.train(make_mlp, make_data(), loss=mse, steps=3, batch_size=16, strategy=DDP())
+    assert own_cluster_2.run(_heavy_modules, stream=False) == [[], []]
 
 
-def test_ranks_load_no_kernel_side_module(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
-    cluster.train(make_mlp, make_data(), loss=mse, steps=3, batch_size=16)
-    cluster.save(tmp_path / "ckpt")
-    cluster.load(tmp_path / "ckpt")
-    cluster.bandwidth("all_reduce", sizes="1K:1K", iters=1, warmup=0)
-    assert cluster.run(_kernel_side_modules, stream=False) == [[], []]
-    assert "torch" in cluster.run(lambda: sorted(sys.modules), stream=False)[0]  # (it looks)
+def test_ranks_load_no_kernel_side_module(own_cluster_2: axon_nb.Cluster, tmp_path: Path) -> None:
+    own_cluster_2.train(make_mlp, make_data(), loss=mse, steps=3, batch_size=16)
+    own_cluster_2.save(tmp_path / "ckpt")
+    own_cluster_2.load(tmp_path / "ckpt")
+    own_cluster_2.bandwidth("all_reduce", sizes="1K:1K", iters=1, warmup=0)
+    assert own_cluster_2.run(_kernel_side_modules, stream=False) == [[], []]
+    assert "torch" in own_cluster_2.run(lambda: sorted(sys.modules), stream=False)[0]  # (it looks)

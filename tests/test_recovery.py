@@ -28,7 +28,7 @@ sys.path.insert(0, _BENCHMARKS)
 from recovery import kill_a_rank_at  # noqa: E402  (shared with benchmarks/recovery.py)
 
 if TYPE_CHECKING:
-    from conftest import ClusterPool
+    from pool import ClusterPool
 
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=4, block_size=32, vocab_size=64)
 ARGS: dict[str, Any] = dict(
@@ -43,22 +43,22 @@ ARGS: dict[str, Any] = dict(
 
 
 def test_periodic_checkpoints_are_kept_and_resume_exactly(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
-    whole = cluster.train(**ARGS)
-    expected = cluster.run(full_params, stream=False)[0]
-    result = cluster.train(**ARGS, checkpoint_dir=tmp_path, checkpoint_every=5, keep=2)
+    whole = pooled_cluster_2.train(**ARGS)
+    expected = pooled_cluster_2.run(full_params, stream=False)[0]
+    result = pooled_cluster_2.train(**ARGS, checkpoint_dir=tmp_path, checkpoint_every=5, keep=2)
     assert result.losses == whole.losses  # writing in the background changes nothing
     kept = checkpoints(str(tmp_path))
     assert [os.path.basename(p) for p in kept] == ["step-00000015", "step-00000020"]
     assert result.checkpoint == {"step": 20, "path": kept[-1]}
     assert not list(tmp_path.glob("*.partial-*"))
     # the newest one resumes to the same end as never stopping
-    cluster.train(**{**ARGS, "steps": 0}, strategy=DDP())
-    cluster.load(kept[-1])
-    rest = cluster.train(**{**ARGS, "steps": 4}, resume=True)
+    pooled_cluster_2.train(**{**ARGS, "steps": 0}, strategy=DDP())
+    pooled_cluster_2.load(kept[-1])
+    rest = pooled_cluster_2.train(**{**ARGS, "steps": 4}, resume=True)
     assert rest.losses == whole.losses[-4:]
-    resumed = cluster.run(full_params, stream=False)[0]
+    resumed = pooled_cluster_2.run(full_params, stream=False)[0]
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
 
 
@@ -119,31 +119,35 @@ def test_a_killed_rank_is_recovered_and_the_run_ends_as_if_never_killed(
     assert all(torch.equal(recovered[k], expected[k]) for k in expected)
 
 
-def test_a_kill_that_missed_its_run_never_lands_in_a_later_one(cluster: axon_nb.Cluster) -> None:
+def test_a_kill_that_missed_its_run_never_lands_in_a_later_one(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
     """The killer above watches the next ``train`` call only: once (under load) a kill meant
     for one test's run landed in the next test's run and broke the cluster for every test
     after it."""
-    pids = [r["pid"] for r in cluster.ranks]
-    killer = kill_a_rank_at(cluster, 3, 1)
-    cluster.train(**{**ARGS, "steps": 2})  # ends before step 3
+    pids = [r["pid"] for r in pooled_cluster_2.ranks]
+    killer = kill_a_rank_at(pooled_cluster_2, 3, 1)
+    pooled_cluster_2.train(**{**ARGS, "steps": 2})  # ends before step 3
     until(lambda: "missed" in killer, 30)
     assert "missed" in killer
-    cluster.train(**{**ARGS, "steps": 6})  # reaches step 3: nothing is killed
-    assert [r["pid"] for r in cluster.ranks] == pids
+    pooled_cluster_2.train(**{**ARGS, "steps": 6})  # reaches step 3: nothing is killed
+    assert [r["pid"] for r in pooled_cluster_2.ranks] == pids
     assert all(psutil.pid_exists(pid) for pid in pids)
 
 
-def test_bad_checkpoint_options_are_refused(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
+def test_bad_checkpoint_options_are_refused(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match="need checkpoint_dir="):
-        cluster.train(**ARGS, checkpoint_every=5)
+        pooled_cluster_2.train(**ARGS, checkpoint_every=5)
     with pytest.raises(ValueError, match=r"max_restarts .* need checkpoint_dir="):
-        cluster.train(**ARGS, max_restarts=1)
+        pooled_cluster_2.train(**ARGS, max_restarts=1)
     with pytest.raises(ValueError, match="needs checkpoint_every="):
-        cluster.train(**ARGS, checkpoint_dir=tmp_path)
+        pooled_cluster_2.train(**ARGS, checkpoint_dir=tmp_path)
     with pytest.raises(ValueError, match="keep must be an integer >= 1"):
-        cluster.train(**ARGS, checkpoint_dir=tmp_path, checkpoint_every=2, keep=0)
+        pooled_cluster_2.train(**ARGS, checkpoint_dir=tmp_path, checkpoint_every=2, keep=0)
     with pytest.raises(ValueError, match="max_restarts needs block=True"):
-        cluster.train(
+        pooled_cluster_2.train(
             **ARGS, checkpoint_dir=tmp_path, checkpoint_every=2, max_restarts=1, block=False
         )
 

@@ -64,9 +64,9 @@ PAIRS = [(a, b) for a, b in itertools.permutations(TWO_RANKS, 2)]
 
 @pytest.mark.parametrize(("before", "after"), PAIRS, ids=lambda s: s.describe())
 def test_every_pair_continues_as_if_never_switched(
-    cluster: axon_nb.Cluster, before: Any, after: Any
+    pooled_cluster_2: axon_nb.Cluster, before: Any, after: Any
 ) -> None:
-    _equal(_continue(cluster, before, after))
+    _equal(_continue(pooled_cluster_2, before, after))
 
 
 FOUR_PAIRS = [
@@ -80,9 +80,9 @@ FOUR_PAIRS = [
 
 @pytest.mark.parametrize(("before", "after"), FOUR_PAIRS, ids=lambda s: s.describe())
 def test_pipeline_and_hybrid_pairs_on_four_ranks(
-    cluster4: axon_nb.Cluster, before: Any, after: Any
+    pooled_cluster_4: axon_nb.Cluster, before: Any, after: Any
 ) -> None:
-    _equal(_continue(cluster4, before, after))
+    _equal(_continue(pooled_cluster_4, before, after))
 
 
 def _switch_memory(name: str) -> dict[str, int]:
@@ -92,7 +92,7 @@ def _switch_memory(name: str) -> dict[str, int]:
     from axon_nb.rank import runtime
     from axon_nb.rank.training import trainstate
     from axon_nb.rank.training.relayout import relayout
-    from axon_nb.spec.train_spec import make_spec
+    from axon_nb.spec.make import make_spec
 
     state = trainstate.get(name)
     full = state.parallel.get_state(state.optimizer, full=True, every_rank=True)
@@ -126,34 +126,34 @@ def _tensors(value: Any) -> list[Any]:
 
 
 def test_the_switch_holds_at_most_one_extra_copy_and_says_how_long(
-    cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+    pooled_cluster_2: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    cluster.train(**RUN, strategy=DDP(), steps=2, name="big")
-    for figures in cluster.run(_switch_memory, "big", stream=False):
+    pooled_cluster_2.train(**RUN, strategy=DDP(), steps=2, name="big")
+    for figures in pooled_cluster_2.run(_switch_memory, "big", stream=False):
         extra = figures["peak"] - figures["held"]
         assert figures["held"] >= 0.9 * figures["state"]  # DDP holds the whole state
         assert extra <= 1.05 * figures["state"], figures
-    cluster.train(**RUN, strategy=ZeRO(stage=2), steps=1, name="big", resume=True)
+    pooled_cluster_2.train(**RUN, strategy=ZeRO(stage=2), steps=1, name="big", resume=True)
     assert "Resharded 'big' from FSDP() to ZeRO(stage=2) in " in capsys.readouterr().out
 
 
-def test_a_layout_the_model_cannot_take_changes_nothing(cluster: axon_nb.Cluster) -> None:
-    first = cluster.train(**RUN, strategy=DDP(), steps=FIRST, name="run")
+def test_a_layout_the_model_cannot_take_changes_nothing(pooled_cluster_2: axon_nb.Cluster) -> None:
+    first = pooled_cluster_2.train(**RUN, strategy=DDP(), steps=FIRST, name="run")
     cut = Pipeline(microbatches=2, split_points=(9,))  # GPT here has 6 layers: no such cut
     with pytest.raises(axon_nb.RankError):
-        cluster.train(**RUN, strategy=cut, steps=THEN, resume=True, name="run")
-    then = cluster.train(**RUN, strategy=DDP(), steps=THEN, resume=True, name="run")
+        pooled_cluster_2.train(**RUN, strategy=cut, steps=THEN, resume=True, name="run")
+    then = pooled_cluster_2.train(**RUN, strategy=DDP(), steps=THEN, resume=True, name="run")
     _equal(first.losses + then.losses)  # the run went on under DDP as if nothing happened
 
 
-def test_bad_switches_are_refused_with_what_to_do(cluster: axon_nb.Cluster) -> None:
-    cluster.train(**RUN, strategy=FSDP(), steps=1, name="run")
+def test_bad_switches_are_refused_with_what_to_do(pooled_cluster_2: axon_nb.Cluster) -> None:
+    pooled_cluster_2.train(**RUN, strategy=FSDP(), steps=1, name="run")
     with pytest.raises(ValueError, match="must multiply to the world size"):
-        cluster.train(**RUN, strategy=Hybrid(dp=2, tp=2), steps=1, resume=True, name="run")
+        pooled_cluster_2.train(**RUN, strategy=Hybrid(dp=2, tp=2), steps=1, resume=True, name="run")
     without_model = {k: v for k, v in RUN.items() if k != "model"}
     with pytest.raises(axon_nb.RankError, match="pass the model again with resume=True"):
-        cluster.train(**without_model, strategy=DDP(), steps=1, resume=True, name="run")
-    assert cluster.run(lambda: 1) == [1, 1]
+        pooled_cluster_2.train(**without_model, strategy=DDP(), steps=1, resume=True, name="run")
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
 def test_another_number_of_ranks_points_to_save_and_load() -> None:
@@ -172,9 +172,11 @@ def _step_of(name: str) -> int:
     return trainstate.get(name).step
 
 
-def test_compare_from_state_starts_every_candidate_from_the_run(cluster: axon_nb.Cluster) -> None:
-    cluster.train(**RUN, strategy=DDP(), steps=FIRST, name="model")
-    table = cluster.compare(
+def test_compare_from_state_starts_every_candidate_from_the_run(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    pooled_cluster_2.train(**RUN, strategy=DDP(), steps=FIRST, name="model")
+    table = pooled_cluster_2.compare(
         [FSDP(), ZeRO(stage=2), Pipeline(microbatches=2)], **RUN, steps=3, warmup=1,
         from_state=True,
     )  # fmt: skip
@@ -182,4 +184,31 @@ def test_compare_from_state_starts_every_candidate_from_the_run(cluster: axon_nb
         assert row["status"] == "ok", row
         # three steps on from step 5: the uninterrupted run's step 8
         assert row["loss"] == pytest.approx(reference()[FIRST + 2], rel=1e-5), row
-    assert cluster.run(_step_of, "model", stream=False) == [FIRST, FIRST]  # left as it was
+    assert pooled_cluster_2.run(_step_of, "model", stream=False) == [FIRST, FIRST]  # left as it was
+
+
+def test_a_scheduler_that_is_no_lr_scheduler_is_refused_when_switching(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    """A run with its own scheduler= builds it again for the new layout's optimizer: one that
+    does not return an LRScheduler is refused there as for a fresh run, before the old layout
+    is let go, so the run goes on as if the call had not happened."""
+    import torch
+
+    run = {k: v for k, v in RUN.items() if k != "warmup_steps"}
+    halving = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=2, gamma=0.5)
+    first = pooled_cluster_2.train(**run, scheduler=halving, strategy=DDP(), steps=3, name="own")
+    again = {**run, "optimizer": ("adamw", {"weight_decay": 0.1})}  # (its scheduler sets lr)
+    with pytest.raises(
+        axon_nb.RankError, match=r"scheduler= must return a torch\.optim\.lr_scheduler\.LRScheduler"
+    ):
+        pooled_cluster_2.train(**again, scheduler=lambda optimizer: 0.5, strategy=FSDP(), steps=2,
+                               resume=True, name="own")  # fmt: skip
+    then = pooled_cluster_2.train(
+        **again, scheduler=halving, strategy=FSDP(), steps=2, resume=True, name="own"
+    )
+    assert then.layout_change is not None and then.start_step == 3
+    want = axon_nb.train_local(**run, scheduler=halving, steps=5).losses
+    got = first.losses + then.losses
+    assert got == pytest.approx(want, rel=1e-5)
+    assert [h["lr"] for h in then.history] == pytest.approx([1.5e-3, 7.5e-4])

@@ -104,7 +104,7 @@ HOME_PREFIX = "axon-owner-home-"
 
 
 @pytest.fixture(scope="module")
-def owned() -> Iterator[Owned]:
+def other_users_cluster() -> Iterator[Owned]:
     if missing() is not None:
         pytest.skip(f"other users: {missing()}")
     home = Path(tempfile.mkdtemp(prefix=HOME_PREFIX))
@@ -134,17 +134,19 @@ def _listening(processes: list[psutil.Process]) -> dict[tuple[str, int], str]:
 
 
 @needs_users
-def test_a_stranger_runs_nothing_and_reads_nothing_on_any_port(owned: Owned) -> None:
-    assert owned.ask("busy 30")["busy"] == 30  # the ranks print and publish the marker
-    listening = _listening(owned.processes())
-    dask_port = int(owned.info["dask"].rsplit(":", 1)[1])
+def test_a_stranger_runs_nothing_and_reads_nothing_on_any_port(other_users_cluster: Owned) -> None:
+    assert (
+        other_users_cluster.ask("busy 30")["busy"] == 30
+    )  # the ranks print and publish the marker
+    listening = _listening(other_users_cluster.processes())
+    dask_port = int(other_users_cluster.info["dask"].rsplit(":", 1)[1])
     assert ("127.0.0.1", dask_port) in listening  # the probe reaches the scheduler itself
     roles = {address: role_of(command) for address, command in listening.items()}
     assert None not in roles.values(), {a: listening[a] for a, r in roles.items() if r is None}
     inventory = {(port.process, port.speaks) for port in PORTS}
     assert {r for r in roles.values()} <= {p for p, _ in inventory}
     assert {address for address, _ in listening} <= {"127.0.0.1"}  # one host: loopback only
-    canary = owned.home / "ran"
+    canary = other_users_cluster.home / "ran"
     report = probe_as_stranger(sorted(listening), canary)
     assert not canary.exists()
     # the scheduler and both ranks' workers answered, and refused a stranger's certificate;
@@ -152,20 +154,20 @@ def test_a_stranger_runs_nothing_and_reads_nothing_on_any_port(owned: Owned) -> 
     ports = [e for w, e in report.items() if w != "canary_exists"]
     assert sum(1 for e in ports if "certificate" in str(e["dask"]["tls"])) >= 3, report
     assert sum(1 for e in ports if e["http"].get("/") == "404") >= 3, report
-    assert_nothing_got(report, owned.info["marker"])
-    assert owned.ask("check", timeout=120)["ok"]  # the ranks and dask still work
+    assert_nothing_got(report, other_users_cluster.info["marker"])
+    assert other_users_cluster.ask("check", timeout=120)["ok"]  # the ranks and dask still work
 
 
 @needs_users
-def test_no_file_of_the_cluster_opens_for_a_stranger(owned: Owned) -> None:
+def test_no_file_of_the_cluster_opens_for_a_stranger(other_users_cluster: Owned) -> None:
     roots = [tempfile.gettempdir(), "/dev/shm"]  # (the owner's home is in the first)
-    assert str(owned.home).startswith(tempfile.gettempdir())
+    assert str(other_users_cluster.home).startswith(tempfile.gettempdir())
     made = [
         os.path.join(top, name)
         for root in roots
         for top, dirs, files in os.walk(root)
         for name in files
-        if os.lstat(os.path.join(top, name)).st_uid == owned.uid
+        if os.lstat(os.path.join(top, name)).st_uid == other_users_cluster.uid
     ]
     # the cluster wrote its certificates, logs, connection files and dask's scratch by now
     assert any(path.endswith("client-key.pem") for path in made), made
@@ -200,18 +202,18 @@ def test_no_file_of_the_cluster_opens_for_a_stranger(owned: Owned) -> None:
         top
         for root in roots
         for top, _, _ in os.walk(root)
-        if not top.startswith(str(owned.home))
+        if not top.startswith(str(other_users_cluster.home))
         and HOME_PREFIX not in top  # (another run's test home, and what it holds)
-        and os.lstat(top).st_uid == owned.uid
+        and os.lstat(top).st_uid == other_users_cluster.uid
         and os.lstat(top).st_mode & 0o077
         and not _under_private(top)
     ]
     assert shared == [], shared
 
 
-def test_the_readme_lists_every_port_and_what_protects_it() -> None:
-    readme = (HERE.parent / "README.md").read_text()
-    section = readme.split("### Security: no one else gets in", 1)[1].split("\n## ", 1)[0]
+def test_the_docs_list_every_port_and_what_protects_it() -> None:
+    page = (HERE.parent / "docs" / "multi-host.md").read_text()  # (once the README's section)
+    section = page.split("## Security: no one else gets in", 1)[1].split("\n## ", 1)[0]
     assert describe_ports() in section
     for heading in ("Threat model", "Not protected", "gloo and NCCL traffic", "private"):
         assert heading in section
@@ -228,11 +230,11 @@ def _under_private(path: str) -> bool:
 
 
 def test_a_missing_certificate_fails_dask_naming_it_and_leaves_no_dask(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
-    client = cluster.dask()
+    client = pooled_cluster_2.dask()
     scheduler_port = int(client.scheduler.address.rsplit(":", 1)[1])
-    tls = Path(cluster._watch.path) / "tls"
+    tls = Path(pooled_cluster_2._watch.path) / "tls"
     assert sorted(os.listdir(tls)) == [
         "ca.pem", "client-key.pem", "client.pem", "scheduler-key.pem", "scheduler.pem",
         "worker-key.pem", "worker.pem",
@@ -241,16 +243,16 @@ def test_a_missing_certificate_fails_dask_naming_it_and_leaves_no_dask(
     client.close()  # the next call makes a new client, reading the files again
     os.remove(tls / "worker-key.pem")
     with pytest.raises(CertificateError, match=r"worker-key\.pem is missing .* restart"):
-        cluster.dask()
-    assert cluster.run(_has_dask_worker, stream=False) == [False, False]
+        pooled_cluster_2.dask()
+    assert pooled_cluster_2.run(_has_dask_worker, stream=False) == [False, False]
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", scheduler_port), timeout=2).close()
     # a file that cannot be read (as root, modes do not stop a read: a directory instead)
     os.mkdir(tls / "worker-key.pem")
     with pytest.raises(CertificateError, match=r"worker-key\.pem is missing or unreadable"):
-        cluster.dask()
-    cluster.restart()  # new certificates, as the error says
-    assert cluster.dask().submit(sum, [1, 2]).result(timeout=30) == 3
+        pooled_cluster_2.dask()
+    pooled_cluster_2.restart()  # new certificates, as the error says
+    assert pooled_cluster_2.dask().submit(sum, [1, 2]).result(timeout=30) == 3
 
 
 def _has_dask_worker() -> bool:

@@ -1,26 +1,30 @@
-"""Training options are declared once (``TrainSpec``); every function that takes them has an
-explicit signature carrying each one, with the same default."""
+"""Training options are declared once (``TrainSpec``): the public entry points take each one by
+name, with the same default, and every layer below them takes the built spec instead."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any
 
 import pytest
 
 import axon_nb
-from axon_nb.spec.train_spec import REQUIRED, entry_point_options
-from axon_nb.train.compare import compare
-from axon_nb.train.on_cluster import train
+from axon_nb.spec.train_spec import REQUIRED, TrainSpec, entry_point_options
+from axon_nb.train import compare, local, on_cluster, start
 
 FUNCTIONS: dict[str, list[Any]] = {
-    "train": [train, axon_nb.Cluster.train],
+    "train": [axon_nb.Cluster.train],
     "train_local": [axon_nb.train_local],
-    "compare": [compare, axon_nb.Cluster.compare],
+    "compare": [axon_nb.Cluster.compare],
     "advise": [axon_nb.advise, axon_nb.Cluster.advise],
 }
 OPTIONAL_THERE = {("advise", "batch_size")}
 """Required for a run, optional for the advisor (4 samples per rank)."""
+
+BELOW = [on_cluster.train, on_cluster.check_on_cluster, compare.compare, local.run_local,
+         start.start_run]  # fmt: skip
+"""What the public entry points hand the built spec to."""
 
 
 @pytest.mark.parametrize(
@@ -49,3 +53,15 @@ def test_a_new_option_would_be_noticed() -> None:
     assert "seed" in options["train"] and "seed" in options["compare"]
     assert "checkpoint_dir" not in options["train_local"]
     assert set(options["advise"]) == {"batch_size", "optimizer", "mixed_precision"}
+
+
+@pytest.mark.parametrize("fn", BELOW, ids=lambda f: f"{f.__module__}.{f.__qualname__}")
+def test_the_layers_below_take_the_spec_not_the_options(fn: Any) -> None:
+    params = inspect.signature(fn).parameters
+    assert "spec" in params, f"{fn.__qualname__} does not take the spec"
+    assert params["spec"].annotation in ("TrainSpec", TrainSpec)
+    options = {f.name for f in dataclasses.fields(TrainSpec)}
+    taken = sorted(options & set(params))
+    assert not taken, f"{fn.__qualname__} takes the options {taken} one by one"
+    kinds = {p.kind for p in params.values()}
+    assert inspect.Parameter.VAR_KEYWORD not in kinds, f"{fn.__qualname__} takes **kwargs"

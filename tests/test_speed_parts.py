@@ -13,7 +13,7 @@ from axon_nb.metrics.gpu_util import utilization
 from axon_nb.rank.data.prefetch import prefetched
 from axon_nb.rank.training.agreement import StepAgreement
 from axon_nb.rank.training.optimizer_setup import optimizer_factory
-from axon_nb.spec.train_spec import make_spec
+from axon_nb.spec.make import make_spec
 from axon_nb.strategies import DDP
 from axon_nb.widgets.status import status_text
 

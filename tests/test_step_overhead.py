@@ -67,10 +67,10 @@ def _state() -> dict[str, Any]:
 
 
 def test_a_rank_late_into_the_agreement_does_not_hold_the_others(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     token = f"test_step_overhead/{uuid.uuid4().hex}"
-    result = cluster.train(
+    result = pooled_cluster_2.train(
         model=make_mlp,
         data=make_data,
         loss=functools.partial(signalling_mse, token=token),
@@ -79,7 +79,7 @@ def test_a_rank_late_into_the_agreement_does_not_hold_the_others(
         batch_size=32,
         seed=0,
     )
-    states = cluster.run(_state)
+    states = pooled_cluster_2.run(_state)
     assert states[0]["signalled"]  # rank 0 started step LATE_STEP + 1 ...
     assert states[1]["saw_next_step"]  # ... while rank 1 was still in step LATE_STEP
     # Read a step late, the agreement still gives every step its global loss, in order.

@@ -33,7 +33,7 @@ def make_busy(cluster: axon_nb.Cluster, mode: str) -> None:
     if mode == "train":
         train_forever(cluster)
     else:
-        cluster.apply(cluster.targets(), MODES[mode])
+        cluster.send(MODES[mode])
     time.sleep(1.5)  # well inside the call
 
 

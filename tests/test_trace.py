@@ -26,9 +26,9 @@ RUN: dict[str, Any] = dict(
 
 
 def test_each_rank_traces_only_the_asked_steps(
-    cluster: axon_nb.Cluster, tmp_path: Any, capsys: pytest.CaptureFixture[str]
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    result = cluster.train(**RUN, steps=6, trace=(3, 2), log_dir=tmp_path)
+    result = pooled_cluster_2.train(**RUN, steps=6, trace=(3, 2), log_dir=tmp_path)
     assert result.trace_dir is not None and result.trace_dir.startswith(str(tmp_path))
     names = sorted(os.listdir(result.trace_dir))
     assert names == ["rank0.pt.trace.json", "rank1.pt.trace.json"]
@@ -47,11 +47,11 @@ def test_each_rank_traces_only_the_asked_steps(
     assert len(result.losses) == 6
 
 
-def test_trace_steps_outside_the_run_are_refused(cluster: axon_nb.Cluster) -> None:
+def test_trace_steps_outside_the_run_are_refused(pooled_cluster_2: axon_nb.Cluster) -> None:
     with pytest.raises(ValueError, match="past this call's 6 steps"):
-        cluster.train(**RUN, steps=6, trace=(5, 3))
+        pooled_cluster_2.train(**RUN, steps=6, trace=(5, 3))
     with pytest.raises(ValueError, match="the call's first step is 1"):
-        cluster.train(**RUN, steps=6, trace=(0, 2))
+        pooled_cluster_2.train(**RUN, steps=6, trace=(0, 2))
     with pytest.raises(ValueError, match=r"trace must be \(start_step, steps\)"):
-        cluster.train(**RUN, steps=6, trace=3)
-    assert cluster.run(lambda: 1) == [1, 1]
+        pooled_cluster_2.train(**RUN, steps=6, trace=3)
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]

@@ -92,9 +92,11 @@ def mlflow_run(log_dir: Path, name: str = "tracked") -> Any:
 
 
 def test_both_trackers_write_every_step_once_with_the_run_configuration(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
-    result = cluster.train(**RUN, **EVALUATED, log_to=["tensorboard", "mlflow"], log_dir=tmp_path)
+    result = pooled_cluster_2.train(
+        **RUN, **EVALUATED, log_to=["tensorboard", "mlflow"], log_dir=tmp_path
+    )
     check_tensorboard(tmp_path, result)
     acc = events(tmp_path)
     for key in ("loss", "mae"):
@@ -119,41 +121,45 @@ def test_both_trackers_write_every_step_once_with_the_run_configuration(
 
 
 def test_without_a_stream_everything_is_written_at_the_end(
-    cluster: axon_nb.Cluster, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
 ) -> None:
-    result = cluster.train(**RUN, metrics_interval_s=0, log_to="tensorboard", log_dir=tmp_path)
+    result = pooled_cluster_2.train(
+        **RUN, metrics_interval_s=0, log_to="tensorboard", log_dir=tmp_path
+    )
     check_tensorboard(tmp_path, result)
     assert not (tmp_path / "mlflow.db").exists()  # only what was asked for
 
 
 def test_an_unreachable_mlflow_server_warns_and_training_goes_on(
-    cluster: axon_nb.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
     with pytest.warns(UserWarning, match=r"cannot be reached .*only to TensorBoard; training"):
-        result = cluster.train(**RUN, log_to=["tensorboard", "mlflow"], log_dir=tmp_path)
+        result = pooled_cluster_2.train(**RUN, log_to=["tensorboard", "mlflow"], log_dir=tmp_path)
     assert result.status == "finished" and result.steps == RUN["steps"]
     check_tensorboard(tmp_path, result)
 
 
-def test_a_resumed_run_continues_the_same_curves(cluster: axon_nb.Cluster, tmp_path: Path) -> None:
-    first = cluster.train(**RUN, log_to="tensorboard", log_dir=tmp_path)
+def test_a_resumed_run_continues_the_same_curves(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    first = pooled_cluster_2.train(**RUN, log_to="tensorboard", log_dir=tmp_path)
     more = {**RUN, "steps": 2}
-    second = cluster.train(**more, resume=True, log_to="tensorboard", log_dir=tmp_path)
+    second = pooled_cluster_2.train(**more, resume=True, log_to="tensorboard", log_dir=tmp_path)
     written = scalars(events(tmp_path), "train/loss")
     assert [s for s, _ in written] == [1, 2, 3, 4, 5, 6]
     assert [v for _, v in written] == pytest.approx(first.losses + second.losses, rel=1e-6)
 
 
 def test_bad_tracking_options_are_refused_before_anything_runs(
-    cluster: axon_nb.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for log_to in ("wandb", ["tensorboard", "comet"], 3):
         with pytest.raises(ValueError, match="log_to takes 'tensorboard' and/or 'mlflow'"):
-            cluster.train(**RUN, log_to=log_to, log_dir=tmp_path)
+            pooled_cluster_2.train(**RUN, log_to=log_to, log_dir=tmp_path)
     real = tracking.importlib.util.find_spec
     monkeypatch.setattr(
         tracking.importlib.util,
@@ -161,9 +167,9 @@ def test_bad_tracking_options_are_refused_before_anything_runs(
         lambda name, *a: None if name == "mlflow" else real(name, *a),
     )
     with pytest.raises(ImportError, match=r"writes with mlflow, .*pip install 'axon_nb\[track\]'"):
-        cluster.train(**RUN, log_to=["tensorboard", "mlflow"], log_dir=tmp_path)
+        pooled_cluster_2.train(**RUN, log_to=["tensorboard", "mlflow"], log_dir=tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was written, nothing ran
-    assert cluster.run(lambda: 1) == [1, 1]
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
 def test_step_scalars_take_global_figures_from_the_lowest_rank() -> None:
@@ -185,7 +191,7 @@ def test_step_scalars_take_global_figures_from_the_lowest_rank() -> None:
 
 KERNEL = """
 import sys
-from axon_nb.spec.train_spec import make_spec
+from axon_nb.spec.make import make_spec
 from axon_nb.strategies import DDP
 from axon_nb.train.tracking import open_tracker
 

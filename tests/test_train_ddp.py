@@ -12,7 +12,7 @@ import axon_nb
 from axon_nb import DDP
 
 if TYPE_CHECKING:
-    from conftest import ClusterPool
+    from pool import ClusterPool
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -27,7 +27,10 @@ gradient into parameter moves of up to about lr; measured ~3e-4 (loss), ~7e-3 (p
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def cluster(request: pytest.FixtureRequest, cluster_pool: ClusterPool) -> axon_nb.Cluster:
+def pooled_cluster_2_and_4(
+    request: pytest.FixtureRequest, cluster_pool: ClusterPool
+) -> axon_nb.Cluster:
+    """The pooled 2-rank cluster, then the 4-rank one: each test runs on both (world2, world4)."""
     return cluster_pool.get(request.param)
 
 
@@ -67,9 +70,9 @@ def _compare(cluster: axon_nb.Cluster, **changes: Any) -> tuple[Any, Any, float,
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_ddp_matches_one_process_with_the_global_batch(
-    cluster: axon_nb.Cluster, grad_accum: int
+    pooled_cluster_2_and_4: axon_nb.Cluster, grad_accum: int
 ) -> None:
-    result, _, loss_diff, param_diff = _compare(cluster, grad_accum=grad_accum)
+    result, _, loss_diff, param_diff = _compare(pooled_cluster_2_and_4, grad_accum=grad_accum)
     assert loss_diff < EXACT and param_diff < EXACT
     assert result.losses[-1] < 0.5 * result.losses[0]  # it learned, so the match means something
     grads = result.ranks[0]["memory"]["param_bytes"]
@@ -80,9 +83,11 @@ def test_ddp_matches_one_process_with_the_global_batch(
 
 @pytest.mark.parametrize("hook", ["bf16", "fp16"])
 def test_compression_hooks_match_within_lossy_tolerance(
-    cluster: axon_nb.Cluster, hook: str
+    pooled_cluster_2_and_4: axon_nb.Cluster, hook: str
 ) -> None:
-    result, _, loss_diff, param_diff = _compare(cluster, strategy=DDP(comm_hook=hook))
+    result, _, loss_diff, param_diff = _compare(
+        pooled_cluster_2_and_4, strategy=DDP(comm_hook=hook)
+    )
     assert loss_diff < LOSSY["loss"] and param_diff < LOSSY["param"]
     assert param_diff > EXACT  # the hook really rounded the gradients
     grads = result.ranks[0]["memory"]["param_bytes"]
@@ -90,9 +95,9 @@ def test_compression_hooks_match_within_lossy_tolerance(
     assert result.history[-1]["comm_bytes"] == grads // 2 + AGREEMENT_BYTES
 
 
-def test_powersgd_trains_close_to_the_reference(cluster: axon_nb.Cluster) -> None:
+def test_powersgd_trains_close_to_the_reference(pooled_cluster_2_and_4: axon_nb.Cluster) -> None:
     strategy = DDP(comm_hook="powersgd", powersgd_rank=2, powersgd_start_step=10)
-    result, ref, _, _ = _compare(cluster, strategy=strategy)
+    result, ref, _, _ = _compare(pooled_cluster_2_and_4, strategy=strategy)
     # Rank-2 approximations of the gradients: same trend, final loss within 10% (measured 4%).
     assert abs(result.losses[-1] - ref.losses[-1]) < 0.1 * ref.losses[-1]
     assert result.losses[:9] == pytest.approx(ref.losses[:9], abs=EXACT)  # plain until step 10
@@ -105,8 +110,10 @@ def test_powersgd_trains_close_to_the_reference(cluster: axon_nb.Cluster) -> Non
     [dict(mixed_precision="bf16"), dict(mixed_precision="fp16", clip_grad_norm=0.5, grad_accum=2)],
     ids=["bf16-autocast", "fp16-scaler-clip-accum"],
 )
-def test_mixed_precision_matches_one_process(cluster: axon_nb.Cluster, changes: dict) -> None:
-    result, ref, loss_diff, param_diff = _compare(cluster, **changes)
+def test_mixed_precision_matches_one_process(
+    pooled_cluster_2_and_4: axon_nb.Cluster, changes: dict
+) -> None:
+    result, ref, loss_diff, param_diff = _compare(pooled_cluster_2_and_4, **changes)
     assert loss_diff < LOSSY["loss"] and param_diff < LOSSY["param"]
     if "clip_grad_norm" in changes:
         norms = [h["grad_norm"] for h in result.history]
@@ -114,9 +121,9 @@ def test_mixed_precision_matches_one_process(cluster: axon_nb.Cluster, changes: 
         assert norms == pytest.approx(ref_norms, rel=1e-2)
 
 
-def test_schedule_and_warmup_follow_the_reference(cluster: axon_nb.Cluster) -> None:
+def test_schedule_and_warmup_follow_the_reference(pooled_cluster_2_and_4: axon_nb.Cluster) -> None:
     changes = dict(schedule="cosine", warmup_steps=5, clip_grad_norm=1.0)
-    result, ref, loss_diff, param_diff = _compare(cluster, **changes)
+    result, ref, loss_diff, param_diff = _compare(pooled_cluster_2_and_4, **changes)
     assert loss_diff < EXACT and param_diff < EXACT
     lrs = [h["lr"] for h in result.history]
     assert lrs == [h["lr"] for h in ref.history]
@@ -129,8 +136,10 @@ def test_schedule_and_warmup_follow_the_reference(cluster: axon_nb.Cluster) -> N
     [DDP(bucket_cap_mb=0.002, find_unused_parameters=True), DDP(static_graph=True)],
     ids=["small-buckets-unused", "static-graph"],
 )
-def test_ddp_options_reach_ddp_and_keep_the_result(cluster: axon_nb.Cluster, strategy: DDP) -> None:
-    result, _, loss_diff, param_diff = _compare(cluster, strategy=strategy)
+def test_ddp_options_reach_ddp_and_keep_the_result(
+    pooled_cluster_2_and_4: axon_nb.Cluster, strategy: DDP
+) -> None:
+    result, _, loss_diff, param_diff = _compare(pooled_cluster_2_and_4, strategy=strategy)
     assert loss_diff < EXACT and param_diff < EXACT
     count = result.ranks[0]["comm_totals"]["all_reduce"]["count"] / STEPS
     # One all-reduce per gradient bucket plus the loss agreement: 2 KB buckets split the 5.9 KB

@@ -67,9 +67,9 @@ def _check(cluster: axon_nb.Cluster, ref: axon_nb.TrainResult, **changes: Any) -
     ],
 )
 def test_every_sharding_mode_matches_one_process(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
 ) -> None:
-    result = _check(cluster, reference, strategy=strategy)
+    result = _check(pooled_cluster_2, reference, strategy=strategy)
     total = sum(p.numel() * 4 for p in reference.model.parameters())
     held = result.ranks[0]["memory"]["param_bytes"]
     sharded = isinstance(strategy, FSDP) and strategy.sharding in ("full_shard", "shard_grad_op")
@@ -79,28 +79,28 @@ def test_every_sharding_mode_matches_one_process(
 
 
 def test_fsdp_mixed_precision_computes_in_bf16_and_keeps_fp32_shards(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult
 ) -> None:
-    result = cluster.train(**ARGS, strategy=FSDP(param_dtype="bf16", reduce_dtype="fp32"))
+    result = pooled_cluster_2.train(**ARGS, strategy=FSDP(param_dtype="bf16", reduce_dtype="fp32"))
     gap = max(abs(a - b) for a, b in zip(result.losses, reference.losses, strict=True))
     assert LOSS_TOL < gap < 1e-2  # bf16 compute: close to, but not exactly, the fp32 run
-    params = cluster.run(full_params, stream=False)[0]
+    params = pooled_cluster_2.run(full_params, stream=False)[0]
     assert all(v.dtype == torch.float32 for v in params.values())
     assert result.memory[0]["param_bytes"] == reference.memory[0]["param_bytes"] // 2
 
 
-def test_accumulation_and_clipping_under_fsdp(cluster: axon_nb.Cluster) -> None:
+def test_accumulation_and_clipping_under_fsdp(pooled_cluster_2: axon_nb.Cluster) -> None:
     changes = dict(strategy=FSDP(), grad_accum=2, clip_grad_norm=0.5)
     ref = axon_nb.train_local(**{**ARGS, **changes, "strategy": None})
-    result = _check(cluster, ref, **changes)
+    result = _check(pooled_cluster_2, ref, **changes)
     norms = [h["grad_norm"] for h in result.history]
     assert norms == pytest.approx([h["grad_norm"] for h in ref.history], rel=1e-4)
 
 
 def test_fsdp_communication_is_measured_as_the_formula_says(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult
 ) -> None:
-    result = _check(cluster, reference, strategy=FSDP())
+    result = _check(pooled_cluster_2, reference, strategy=FSDP())
     psi = sum(p.numel() for p in reference.model.parameters())
     comm = result.ranks[0]["comm_totals"]
     # every fp32 gradient is reduce-scattered once a step (padded to a multiple of 2 ranks);
@@ -111,9 +111,9 @@ def test_fsdp_communication_is_measured_as_the_formula_says(
 
 
 def test_zero2_shards_gradients_and_optimizer_state_but_not_parameters(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult
 ) -> None:
-    result = _check(cluster, reference, strategy=ZeRO(stage=2, bucket_cap_mb=0.05))
+    result = _check(pooled_cluster_2, reference, strategy=ZeRO(stage=2, bucket_cap_mb=0.05))
     psi = sum(p.numel() for p in reference.model.parameters())
     for rank in result.ranks:
         memory = rank["memory"]
@@ -128,15 +128,15 @@ def test_zero2_shards_gradients_and_optimizer_state_but_not_parameters(
     assert comm["all_reduce"]["count"] == result.steps
 
 
-def test_zero2_accumulation_and_clipping(cluster: axon_nb.Cluster) -> None:
+def test_zero2_accumulation_and_clipping(pooled_cluster_2: axon_nb.Cluster) -> None:
     changes = dict(strategy=ZeRO(stage=2), grad_accum=2, clip_grad_norm=0.5)
     ref = axon_nb.train_local(**{**ARGS, **changes, "strategy": None})
-    result = _check(cluster, ref, **changes)
+    result = _check(pooled_cluster_2, ref, **changes)
     norms = [h["grad_norm"] for h in result.history]
     assert norms == pytest.approx([h["grad_norm"] for h in ref.history], rel=1e-4)
 
 
-def test_bad_fsdp_options_are_refused(cluster: axon_nb.Cluster) -> None:
+def test_bad_fsdp_options_are_refused(pooled_cluster_2: axon_nb.Cluster) -> None:
     with pytest.raises(ValueError, match="sharding must be one of"):
         FSDP(sharding="zero4")
     with pytest.raises(ValueError, match="activation checkpoint interval must be an integer >= 1"):
@@ -144,9 +144,9 @@ def test_bad_fsdp_options_are_refused(cluster: axon_nb.Cluster) -> None:
     with pytest.raises(
         ValueError, match=r"shard_size to divide the world size.*Use one of \[1, 2\]"
     ):
-        cluster.train(**ARGS, strategy=FSDP(sharding="hybrid_shard", shard_size=3))
+        pooled_cluster_2.train(**ARGS, strategy=FSDP(sharding="hybrid_shard", shard_size=3))
     with pytest.raises(axon_nb.RankError, match="auto_wrap class Blok is not in the model"):
-        cluster.train(**ARGS, strategy=FSDP(auto_wrap=("Blok",)))
+        pooled_cluster_2.train(**ARGS, strategy=FSDP(auto_wrap=("Blok",)))
 
 
 @pytest.mark.parametrize(
@@ -156,9 +156,9 @@ def test_bad_fsdp_options_are_refused(cluster: axon_nb.Cluster) -> None:
     ids=["ddp", "zero1", "zero2", "zero3", "full_shard", "shard_grad_op", "no_shard"],
 )  # fmt: skip
 def test_measured_model_state_matches_the_zero_formulas(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Any
 ) -> None:
-    result = _check(cluster, reference, strategy=strategy)
+    result = _check(pooled_cluster_2, reference, strategy=strategy)
     expected = estimate.memory(reference.model, strategy, world_size=2)
     for rank in result.ranks:
         memory = rank["memory"]
@@ -169,9 +169,9 @@ def test_measured_model_state_matches_the_zero_formulas(
 
 
 def test_zero1_shards_only_the_optimizer_state(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult
 ) -> None:
-    result = _check(cluster, reference, strategy=ZeRO(stage=1))
+    result = _check(pooled_cluster_2, reference, strategy=ZeRO(stage=1))
     psi = sum(p.numel() for p in reference.model.parameters())
     for rank in result.ranks:  # whole parameters and gradients, half the Adam moments
         assert rank["memory"]["param_bytes"] == rank["memory"]["grad_bytes"] == 4 * psi
@@ -182,7 +182,7 @@ def test_zero1_shards_only_the_optimizer_state(
 
 
 def test_every_mode_on_four_ranks_matches_and_follows_the_memory_table(
-    cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult
+    pooled_cluster_4: axon_nb.Cluster, reference: axon_nb.TrainResult
 ) -> None:
     strategies = {
         "ddp": DDP(),
@@ -196,7 +196,7 @@ def test_every_mode_on_four_ranks_matches_and_follows_the_memory_table(
     }
     totals = {}
     for label, strategy in strategies.items():
-        result = _check(cluster4, reference, strategy=strategy)
+        result = _check(pooled_cluster_4, reference, strategy=strategy)
         expected = estimate.memory(reference.model, strategy, world_size=4)
         for memory in result.memory:
             parts = (memory["param_bytes"], memory["grad_bytes"], memory["optimizer_bytes"])
@@ -215,7 +215,7 @@ def test_every_mode_on_four_ranks_matches_and_follows_the_memory_table(
 
 
 def test_peak_memory_follows_sharding_and_activation_checkpointing(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     def peaks(config: GPTConfig, batch_size: int, *strategies: Any) -> list[int]:
         args = dict(
@@ -227,7 +227,7 @@ def test_peak_memory_follows_sharding_and_activation_checkpointing(
         )
         found = []
         for strategy in strategies:
-            result = cluster.train(**args, strategy=strategy)
+            result = pooled_cluster_2.train(**args, strategy=strategy)
             for memory in result.memory:
                 held = memory["param_bytes"] + memory["grad_bytes"] + memory["optimizer_bytes"]
                 assert memory["peak_bytes"] > held
@@ -251,10 +251,10 @@ def test_peak_memory_follows_sharding_and_activation_checkpointing(
     [FSDP(), FSDP(min_params=100), ZeRO(stage=1), ZeRO(stage=2)],
     ids=["full_shard", "wrap-size", "zero1", "zero2"],
 )
-def test_any_user_module_can_be_sharded(cluster: axon_nb.Cluster, strategy: Any) -> None:
+def test_any_user_module_can_be_sharded(pooled_cluster_2: axon_nb.Cluster, strategy: Any) -> None:
     from models import make_data, make_mlp, mse
 
     args = dict(model=make_mlp, data=make_data, loss=mse, steps=20, batch_size=32, seed=0)
     ref = axon_nb.train_local(**args, optimizer=("adamw", {"lr": 1e-2}))
-    result = cluster.train(**args, optimizer=("adamw", {"lr": 1e-2}), strategy=strategy)
+    result = pooled_cluster_2.train(**args, optimizer=("adamw", {"lr": 1e-2}), strategy=strategy)
     assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < LOSS_TOL

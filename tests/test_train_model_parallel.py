@@ -60,9 +60,9 @@ def test_three_dimensional_mesh_on_eight_ranks(reference: axon_nb.TrainResult) -
 
 @pytest.mark.parametrize("strategy", SCHEDULES, ids=lambda s: s.schedule)
 def test_pipeline_on_two_stages_equals_one_process(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Pipeline
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Pipeline
 ) -> None:
-    result = _check(cluster, reference, strategy=strategy)
+    result = _check(pooled_cluster_2, reference, strategy=strategy)
     # Each stage holds only its own layers: the ranks' parameters add up to the model.
     total = sum(p.numel() * 4 for p in reference.model.parameters())
     held = [m["param_bytes"] for m in result.memory]
@@ -76,18 +76,18 @@ def test_pipeline_on_two_stages_equals_one_process(
 
 @pytest.mark.parametrize("strategy", SCHEDULES, ids=lambda s: s.schedule)
 def test_pipeline_on_four_stages_equals_one_process(
-    cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Pipeline
+    pooled_cluster_4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Pipeline
 ) -> None:
-    _check(cluster4, reference, strategy=strategy)
+    _check(pooled_cluster_4, reference, strategy=strategy)
 
 
 def test_pipeline_split_points_and_grad_accumulation(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     changes = dict(grad_accum=2, clip_grad_norm=0.5)
     ref = axon_nb.train_local(**{**ARGS, **changes})
     strategy = Pipeline(microbatches=2, split_points=(2,))  # stage 0: embedding + 1 block
-    result = _check(cluster, ref, strategy=strategy, **changes)
+    result = _check(pooled_cluster_2, ref, strategy=strategy, **changes)
     assert result.memory[0]["param_bytes"] < result.memory[1]["param_bytes"]
     norms = [h["grad_norm"] for h in result.history]
     assert norms == pytest.approx([h["grad_norm"] for h in ref.history], rel=1e-4)
@@ -100,18 +100,18 @@ def _two_stages() -> nn.Module:
     return nn.Sequential(first, second)
 
 
-def test_pipeline_of_explicit_stage_modules(cluster: axon_nb.Cluster) -> None:
+def test_pipeline_of_explicit_stage_modules(pooled_cluster_2: axon_nb.Cluster) -> None:
     from models import make_data, mse
 
     args = dict(model=_two_stages, data=make_data, loss=mse, steps=20, batch_size=32, seed=0)
     ref = axon_nb.train_local(**args)
-    result = cluster.train(**args, strategy=Pipeline(microbatches=4))
+    result = pooled_cluster_2.train(**args, strategy=Pipeline(microbatches=4))
     assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < LOSS_TOL
     sizes = [(8 * 32 + 32 + 32 * 32 + 32) * 4, (32 * 4 + 4) * 4]  # one child per stage
     assert [m["param_bytes"] for m in result.memory] == sizes
 
 
-def test_measured_bubble_follows_the_schedule(cluster: axon_nb.Cluster) -> None:
+def test_measured_bubble_follows_the_schedule(pooled_cluster_2: axon_nb.Cluster) -> None:
     """The first stage's measured idle share against (p-1)/(v*m+p-1).
 
     The first stage waits for every later stage's backward, so its share is the formula's;
@@ -132,7 +132,7 @@ def test_measured_bubble_follows_the_schedule(cluster: axon_nb.Cluster) -> None:
 
     def first_stage_bubble(m: int, **options: Any) -> float:
         strategy = Pipeline(microbatches=m, **options)
-        result = cluster.train(**args, batch_size=4 * m, strategy=strategy)
+        result = pooled_cluster_2.train(**args, batch_size=4 * m, strategy=strategy)
         per_step = [h["per_rank"]["bubble"] for h in result.history[1:]]
         print(f"{strategy.schedule} p=2 m={m}: bubble per rank {per_step}")
         first, last = (statistics.median(shares) for shares in zip(*per_step, strict=True))
@@ -152,10 +152,10 @@ def test_measured_bubble_follows_the_schedule(cluster: axon_nb.Cluster) -> None:
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_tensor_parallel_equals_the_dense_model(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, sequence_parallel: bool
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult, sequence_parallel: bool
 ) -> None:
     result = _check(
-        cluster, reference, strategy=TensorParallel(sequence_parallel=sequence_parallel)
+        pooled_cluster_2, reference, strategy=TensorParallel(sequence_parallel=sequence_parallel)
     )
     # Attention and MLP weights are split in two; embeddings, norms and head are whole.
     total = sum(p.numel() * 4 for p in reference.model.parameters())
@@ -164,9 +164,9 @@ def test_tensor_parallel_equals_the_dense_model(
 
 
 def test_tensor_parallel_on_four_ranks(
-    cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult
+    pooled_cluster_4: axon_nb.Cluster, reference: axon_nb.TrainResult
 ) -> None:
-    _check(cluster4, reference, strategy=TensorParallel(sequence_parallel=True))
+    _check(pooled_cluster_4, reference, strategy=TensorParallel(sequence_parallel=True))
 
 
 def _parallel_mlp() -> nn.Module:
@@ -187,13 +187,13 @@ def _plain_mlp() -> nn.Module:
     ids=["layers", "plan-by-name"],
 )
 def test_user_models_split_by_layers_or_by_plan(
-    cluster: axon_nb.Cluster, model: Any, plan: Any
+    pooled_cluster_2: axon_nb.Cluster, model: Any, plan: Any
 ) -> None:
     from models import make_data, mse
 
     args = dict(model=model, data=make_data, loss=mse, steps=20, batch_size=32, seed=0)
     ref = axon_nb.train_local(**args)
-    result = cluster.train(**args, strategy=TensorParallel(plan=plan))
+    result = pooled_cluster_2.train(**args, strategy=TensorParallel(plan=plan))
     assert max(abs(a - b) for a, b in zip(result.losses, ref.losses, strict=True)) < LOSS_TOL
     assert result.memory[0]["param_bytes"] < 0.6 * ref.memory[0]["param_bytes"]
 
@@ -208,41 +208,45 @@ def test_user_models_split_by_layers_or_by_plan(
     ids=["dp2xtp2", "dp2xpp2", "tp2xpp2"],
 )
 def test_hybrid_layouts_on_four_ranks_equal_one_process(
-    cluster4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Hybrid
+    pooled_cluster_4: axon_nb.Cluster, reference: axon_nb.TrainResult, strategy: Hybrid
 ) -> None:
-    _check(cluster4, reference, strategy=strategy)
+    _check(pooled_cluster_4, reference, strategy=strategy)
 
 
-def test_bad_model_parallel_input(cluster: axon_nb.Cluster, cluster4: axon_nb.Cluster) -> None:
+def test_bad_model_parallel_input(
+    pooled_cluster_2: axon_nb.Cluster, pooled_cluster_4: axon_nb.Cluster
+) -> None:
     with pytest.raises(ValueError, match="interleaved_1f1b' interleaves several stages per rank"):
         Pipeline(schedule="interleaved_1f1b", virtual_stages=1)
     with pytest.raises(ValueError, match=r"microbatches=3 must divide the 32 samples.*\[1, 2, 4"):
-        cluster.train(**ARGS, strategy=Pipeline(microbatches=3))
+        pooled_cluster_2.train(**ARGS, strategy=Pipeline(microbatches=3))
     with pytest.raises(ValueError, match=r"num_stages must be 2\. Start 3 ranks"):
-        cluster.train(**ARGS, strategy=Pipeline(num_stages=3))
+        pooled_cluster_2.train(**ARGS, strategy=Pipeline(num_stages=3))
     # pairs and no loss: on the kernel when the dataset is here, on the ranks when it is made
     # there (Mapping items would train with a transformers model's own loss)
     with pytest.raises(ValueError, match="pass loss=loss"):
-        cluster.train(**{**ARGS, "loss": None, "data": token_dataset()}, strategy=Pipeline())
+        pooled_cluster_2.train(
+            **{**ARGS, "loss": None, "data": token_dataset()}, strategy=Pipeline()
+        )
     with pytest.raises(axon_nb.RankError, match="pass loss=loss"):
-        cluster.train(**{**ARGS, "loss": None}, strategy=Pipeline())
+        pooled_cluster_2.train(**{**ARGS, "loss": None}, strategy=Pipeline())
     with pytest.raises(ValueError, match=r"dp=2 x tp=3 x pp=1 = 6, but there are 4 ranks"):
-        cluster4.train(**ARGS, strategy=Hybrid(dp=2, tp=3))
+        pooled_cluster_4.train(**ARGS, strategy=Hybrid(dp=2, tp=3))
     with pytest.raises(axon_nb.RankError, match="8 pipeline stages need at least 8 layers"):
-        cluster4.train(
+        pooled_cluster_4.train(
             **{**ARGS, "model": lambda: GPT(GPTConfig(n_layer=2))},
             strategy=Pipeline(schedule="interleaved_1f1b", virtual_stages=2),
         )
     with pytest.raises(axon_nb.RankError, match="n_head=2 is not divisible by tp=4"):
-        cluster4.train(
+        pooled_cluster_4.train(
             **{**ARGS, "model": lambda: GPT(GPTConfig(n_head=2))}, strategy=TensorParallel()
         )
     with pytest.raises(
         axon_nb.RankError, match=r"blocks\.0\.attn\.q has 6 output features, not divisible by tp=4"
     ):
-        cluster4.train(
+        pooled_cluster_4.train(
             **{**ARGS, "model": lambda: GPT(GPTConfig(n_embd=6, n_head=2))},
             strategy=TensorParallel(),
         )
     with pytest.raises(axon_nb.RankError, match=r"'blocks\.\*\.ffn' matches no module"):
-        cluster.train(**ARGS, strategy=TensorParallel(plan={"blocks.*.ffn": "colwise"}))
+        pooled_cluster_2.train(**ARGS, strategy=TensorParallel(plan={"blocks.*.ffn": "colwise"}))

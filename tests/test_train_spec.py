@@ -10,7 +10,8 @@ import pytest
 import axon_nb
 from axon_nb.metrics import stream
 from axon_nb.metrics.stream import RESEND_S, SCHEMA, MetricsPublisher
-from axon_nb.spec.train_spec import check_world, make_spec
+from axon_nb.spec.make import make_spec
+from axon_nb.spec.validation import check_world
 from axon_nb.strategies import DDP, SingleDevice
 from axon_nb.train.result import merge_records
 

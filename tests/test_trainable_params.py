@@ -22,7 +22,6 @@ import axon_nb
 from axon_nb import DDP, FSDP, Pipeline, TensorParallel, ZeRO
 from axon_nb.estimate import ModelProfile, predict
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
-from axon_nb.train.on_cluster import train  # what Cluster.train delegates to
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -87,7 +86,7 @@ def reference() -> axon_nb.TrainResult:
 
 
 @pytest.fixture(scope="module")
-def profile() -> ModelProfile:
+def lora_gpt_profile() -> ModelProfile:
     from axon_nb.rank.observe.model_probe import profile_from
 
     return ModelProfile.from_dict(profile_from(lora_gpt, tokens, lm_loss))
@@ -137,17 +136,17 @@ updated parameters): its bytes per step are the trainable parameters' and no mor
     ("strategy", "optimizer"), CASES, ids=lambda v: v if isinstance(v, str) else v.describe()
 )
 def test_a_frozen_base_with_parameter_groups_equals_one_process(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
     reference: axon_nb.TrainResult,
-    profile: ModelProfile,
+    lora_gpt_profile: ModelProfile,
     strategy: Any,
     optimizer: str,
 ) -> None:
     args = {**ARGS, "optimizer": adamw} if optimizer == "callable" else ARGS
-    result = train(cluster, **args, strategy=strategy)
+    result = pooled_cluster_2.train(**args, strategy=strategy)
     _assert_same_losses(result.losses, reference.losses)
     # frozen weights are bit-identical to the initial ones on every rank; the rest trained
-    per_rank = cluster.run(full_params, stream=False)
+    per_rank = pooled_cluster_2.run(full_params, stream=False)
     for params in per_rank:
         for name in FROZEN:
             assert torch.equal(params[name], INITIAL[name]), name
@@ -155,13 +154,13 @@ def test_a_frozen_base_with_parameter_groups_equals_one_process(
             assert not torch.equal(params[name], INITIAL[name]), name
             assert (params[name] - reference.model.state_dict()[name]).abs().max() < PARAM_TOL
     # optimizer state for trainable parameters only, each in its own group's settings
-    for view in cluster.run(_optimizer_view, stream=False):
+    for view in pooled_cluster_2.run(_optimizer_view, stream=False):
         assert view["with_state"] == sorted(TRAINABLE) and view["all_train"]
         assert view["settings"] == {n: settings_of(n) for n in view["settings"]}
         assert set(view["settings"]) <= TRAINABLE
     # gradient communication and optimizer memory as the estimator predicts them (trainable
     # parameters only), and the gradients' collective carries the trainable bytes alone
-    predicted = predict(profile, strategy, world_size=2, batch_size=8)
+    predicted = predict(lora_gpt_profile, strategy, world_size=2, batch_size=8)
     for rank, measured in enumerate(result.ranks):
         comm = {k: v["bytes"] / STEPS for k, v in measured["comm_totals"].items()}
         assert comm == pytest.approx(predicted.ranks[rank]["comm"], rel=0.01)
@@ -194,7 +193,7 @@ def _groups(path: Path) -> list[list[str]]:
 
 
 def test_checkpoints_of_every_layout_keep_each_groups_settings(
-    cluster: axon_nb.Cluster, reference: axon_nb.TrainResult, tmp_path: Path
+    pooled_cluster_2: axon_nb.Cluster, reference: axon_nb.TrainResult, tmp_path: Path
 ) -> None:
     """Three steps in each layout, each continuing from the previous layout's checkpoint:
     the twelve losses are the one-process run's, so every group kept its own rate."""
@@ -209,17 +208,17 @@ def test_checkpoints_of_every_layout_keep_each_groups_settings(
     for strategy, optimizer, kind in chain:
         args = {**ARGS, "strategy": strategy, "optimizer": optimizer}
         if previous is not None:
-            train(cluster, **{**args, "steps": 0})  # build the run, then load into it
-            cluster.load(previous)
-        losses += train(cluster, **{**args, "steps": 3}, resume=previous is not None).losses
+            pooled_cluster_2.train(**{**args, "steps": 0})  # build the run, then load into it
+            pooled_cluster_2.load(previous)
+        losses += pooled_cluster_2.train(**{**args, "steps": 3}, resume=previous is not None).losses
         if kind is not None:
             previous = tmp_path / f"{strategy.config().data_parallel}-{len(losses)}"
-            cluster.save(previous, kind=kind)
+            pooled_cluster_2.save(previous, kind=kind)
         if strategy is PIPELINE:  # a rescue (each stage's pieces put together) too
             pieces = tmp_path / "pieces"
             pieces.mkdir()
-            cluster.run(_write_pieces, str(pieces), stream=False)
-            cluster.run(_assemble, str(tmp_path / "rescued"), str(pieces), ranks=[0])
+            pooled_cluster_2.run(_write_pieces, str(pieces), stream=False)
+            pooled_cluster_2.run(_assemble, str(tmp_path / "rescued"), str(pieces), ranks=[0])
     _assert_same_losses(losses, reference.losses)
     ckpt = axon_nb.Checkpoint.read(str(tmp_path / "zero1-3"))
     assert ckpt.trainer["param_groups"][2] == ["head.weight"]
@@ -227,21 +226,21 @@ def test_checkpoints_of_every_layout_keep_each_groups_settings(
     assert _groups(tmp_path / "rescued") == _groups(tmp_path / "none-6")
 
 
-def test_resume_keeps_each_groups_own_learning_rate(cluster: axon_nb.Cluster) -> None:
+def test_resume_keeps_each_groups_own_learning_rate(pooled_cluster_2: axon_nb.Cluster) -> None:
     args = {**ARGS, "steps": 1, "strategy": ZeRO(stage=2), "optimizer": adamw}
-    train(cluster, **args)
-    before = cluster.run(_optimizer_view, stream=False)[0]
+    pooled_cluster_2.train(**args)
+    before = pooled_cluster_2.run(_optimizer_view, stream=False)[0]
     assert before["lrs"] == [LR, LR, HEAD_LR]  # bias/norm, the rest, the head
     new = ("adamw", {"lr": 5e-3, "weight_decay": 0.2})
-    train(cluster, **{**args, "optimizer": new}, resume=True)
-    after = cluster.run(_optimizer_view, stream=False)[0]
+    pooled_cluster_2.train(**{**args, "optimizer": new}, resume=True)
+    after = pooled_cluster_2.run(_optimizer_view, stream=False)[0]
     assert after["lrs"] == after["base_lrs"] == [5e-3, 5e-3, HEAD_LR]  # the head keeps its own
     decays = {settings[1] for name, settings in after["settings"].items() if ".ln_" in name}
     assert decays == {0.0}  # a group's own settings stay; the others take the new ones
     assert after["settings"]["blocks.0.mlp.up.weight"] == (5e-3, 0.2)
     # param_groups given again must group as the run does
     with pytest.raises(axon_nb.RankError, match="group its parameters differently"):
-        train(cluster, **{**args, "param_groups": None, "optimizer": None}, resume=True)
+        pooled_cluster_2.train(**{**args, "param_groups": None, "optimizer": None}, resume=True)
 
 
 def _regrouping(params: Any) -> torch.optim.Optimizer:
@@ -253,7 +252,9 @@ def _all_frozen() -> nn.Module:
     return lora_gpt().requires_grad_(False)
 
 
-def test_bad_input_is_refused_with_what_to_do(tmp_path: Path, cluster: axon_nb.Cluster) -> None:
+def test_bad_input_is_refused_with_what_to_do(
+    tmp_path: Path, pooled_cluster_2: axon_nb.Cluster
+) -> None:
     # on the kernel, before anything reaches the ranks
     for bad, match in [
         (dict(param_groups={"lr": 1e-3}), "param_groups must be a callable"),
@@ -263,7 +264,7 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path: Path, cluster: axon_nb.C
         (dict(model=lora_gpt(), param_groups=lambda n, p: {"params": []}), "by name"),
     ]:
         with pytest.raises(ValueError, match=match):
-            train(cluster, **{**ARGS, **bad, "steps": 1})
+            pooled_cluster_2.train(**{**ARGS, **bad, "steps": 1})
     # on the ranks, where the model is built
     for bad, match in [
         (dict(model=_all_frozen), "nothing to train"),
@@ -272,42 +273,48 @@ def test_bad_input_is_refused_with_what_to_do(tmp_path: Path, cluster: axon_nb.C
         (dict(optimizer=lambda params: 3), "returned int"),
     ]:
         with pytest.raises(axon_nb.RankError, match=match):
-            train(cluster, **{**ARGS, **bad, "steps": 1})
+            pooled_cluster_2.train(**{**ARGS, **bad, "steps": 1})
     # a checkpoint grouped otherwise is refused before anything loads
-    train(cluster, **{**ARGS, "steps": 1})
-    cluster.save(tmp_path / "grouped")
-    train(cluster, **{**ARGS, "steps": 0, "param_groups": None})
+    pooled_cluster_2.train(**{**ARGS, "steps": 1})
+    pooled_cluster_2.save(tmp_path / "grouped")
+    pooled_cluster_2.train(**{**ARGS, "steps": 0, "param_groups": None})
     with pytest.raises(axon_nb.RankError, match=r"groups parameters differently.*no_decay="):
-        cluster.load(tmp_path / "grouped")
-    assert cluster.run(lambda: 1) == [1, 1]
+        pooled_cluster_2.load(tmp_path / "grouped")
+    assert pooled_cluster_2.run(lambda: 1) == [1, 1]
 
 
-def test_the_estimator_counts_trainable_parameters_only(profile: ModelProfile) -> None:
+def test_the_estimator_counts_trainable_parameters_only(lora_gpt_profile: ModelProfile) -> None:
     whole = ModelProfile.from_dict(
-        {"layers": [{**_row(layer), "frozen": 0, "tp_frozen": 0} for layer in profile.layers]}
+        {
+            "layers": [
+                {**_row(layer), "frozen": 0, "tp_frozen": 0} for layer in lora_gpt_profile.layers
+            ]
+        }
     )
     trainable = TRAINABLE_BYTES // 4
-    assert profile.trainable == trainable and whole.trainable == profile.params
+    assert lora_gpt_profile.trainable == trainable and whole.trainable == lora_gpt_profile.params
     tokens_per_sample = CONFIG.block_size
-    assert profile.flops == (4 * profile.params + 2 * trainable) * tokens_per_sample
-    memory = predict(profile, DDP(), world_size=2, batch_size=8).ranks[0]["memory"]
+    assert (
+        lora_gpt_profile.flops == (4 * lora_gpt_profile.params + 2 * trainable) * tokens_per_sample
+    )
+    memory = predict(lora_gpt_profile, DDP(), world_size=2, batch_size=8).ranks[0]["memory"]
     # (DDP's gradients are views into its buckets: no copy of them beside)
     assert memory["optimizer"] == 8 * trainable and memory["buckets"] == 4 * trainable
     assert memory["grads"] == 0
-    assert memory["params"] == 4 * profile.params
+    assert memory["params"] == 4 * lora_gpt_profile.params
     # the ZeRO formulas: a model's frozen parameters have no gradients or optimizer state
     formula = axon_nb.estimate.memory(lora_gpt(), ZeRO(stage=1), 2)
     assert formula["grads"] == 4 * trainable and formula["optimizer"] == 8 * trainable / 2
-    assert formula["params"] == 4 * profile.params
+    assert formula["params"] == 4 * lora_gpt_profile.params
     # the advisor: DDP fits a device the frozen model fits in and the whole one does not
-    frozen_peak = predict(profile, DDP(), world_size=2, batch_size=8).peak_bytes
+    frozen_peak = predict(lora_gpt_profile, DDP(), world_size=2, batch_size=8).peak_bytes
     whole_peak = predict(whole, DDP(), world_size=2, batch_size=8).peak_bytes
     assert frozen_peak < whole_peak
     device = (frozen_peak + whole_peak) / 2
     fits = [
         axon_nb.advise(profile=p, world_size=2, device_memory=device, batch_size=8,
                        strategies=[DDP()]).rows[0]["fits"]
-        for p in (profile, whole)
+        for p in (lora_gpt_profile, whole)
     ]  # fmt: skip
     assert fits == [True, False]
 
@@ -332,11 +339,11 @@ def lora_gpt_for_peak() -> nn.Module:
 
 
 def test_a_frozen_base_s_predicted_peak_is_within_ten_percent_of_measured(
-    cluster: axon_nb.Cluster,
+    pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
     """Counting gradients and Adam state for frozen parameters would put the prediction
     well above the measured peak; counting trainable ones only puts it within 10%."""
-    table = cluster.compare(
+    table = pooled_cluster_2.compare(
         [DDP(), ZeRO(stage=1), ZeRO(stage=2), FSDP()],
         model=lora_gpt_for_peak,
         data=lambda: token_dataset(256, block_size=32, vocab_size=256),

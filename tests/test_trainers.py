@@ -117,7 +117,7 @@ print("train steps", len(result.losses))
 
 
 @pytest.fixture(scope="module")
-def outputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def cell_texts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("trainers")
     (tmp / "accelerate_script.py").write_text(SCRIPT)
     cells = [c.replace("{script}", str(tmp / "accelerate_script.py")) for c in CELLS.values()]
@@ -140,26 +140,26 @@ def _per_rank(text: str, pattern: str) -> dict[int, tuple[str, ...]]:
     return {int(m[0]): m[1:] for m in re.findall(r"\[rank (\d)\] " + pattern, text)}
 
 
-def test_hugging_face_trainer_trains_on_the_world_and_shows_its_progress(outputs) -> None:
-    got = _per_rank(outputs["trainer"], r"trainer world (\d+) loss ([\d.]+)")
+def test_hugging_face_trainer_trains_on_the_world_and_shows_its_progress(cell_texts) -> None:
+    got = _per_rank(cell_texts["trainer"], r"trainer world (\d+) loss ([\d.]+)")
     assert got.keys() == {0, 1} and got[0] == got[1] and got[0][0] == "2"
-    assert "6/6" in outputs["trainer"]  # its progress bar, shown from rank 0
-    assert _per_rank(outputs["after_trainer"], SUM) == EVERY_RANK_IN_ONE
+    assert "6/6" in cell_texts["trainer"]  # its progress bar, shown from rank 0
+    assert _per_rank(cell_texts["after_trainer"], SUM) == EVERY_RANK_IN_ONE
 
 
-def test_accelerate_in_a_cell_and_as_a_script(outputs) -> None:
-    got = _per_rank(outputs["accelerate"], r"accelerate (\d+) (\w+) ([-\d.]+)")
+def test_accelerate_in_a_cell_and_as_a_script(cell_texts) -> None:
+    got = _per_rank(cell_texts["accelerate"], r"accelerate (\d+) (\w+) ([-\d.]+)")
     assert got.keys() == {0, 1} and got[0] == got[1] and got[0][:2] == ("2", "True")
-    assert _per_rank(outputs["after_accelerate"], SUM) == EVERY_RANK_IN_ONE
-    script = _per_rank(outputs["script"], r"script (\d+) ([-\d.]+)")
+    assert _per_rank(cell_texts["after_accelerate"], SUM) == EVERY_RANK_IN_ONE
+    script = _per_rank(cell_texts["script"], r"script (\d+) ([-\d.]+)")
     assert script.keys() == {0, 1} and script[0] == script[1] and script[0][0] == "2"
 
 
-def test_lightning_fabric_joins_the_world_without_launching(outputs) -> None:
-    got = _per_rank(outputs["fabric"], r"fabric (\d+) (\w+) (\w+) ([-\d.]+)")
+def test_lightning_fabric_joins_the_world_without_launching(cell_texts) -> None:
+    got = _per_rank(cell_texts["fabric"], r"fabric (\d+) (\w+) (\w+) ([-\d.]+)")
     assert got.keys() == {0, 1} and got[0] == got[1] and got[0][:3] == ("2", "True", "True")
-    assert _per_rank(outputs["after_fabric"], SUM) == EVERY_RANK_IN_ONE
+    assert _per_rank(cell_texts["after_fabric"], SUM) == EVERY_RANK_IN_ONE
 
 
-def test_cluster_train_works_after_them(outputs) -> None:
-    assert "train steps 4" in outputs["train"]
+def test_cluster_train_works_after_them(cell_texts) -> None:
+    assert "train steps 4" in cell_texts["train"]

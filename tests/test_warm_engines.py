@@ -217,7 +217,7 @@ def test_the_server_ends_with_the_kernel_and_takes_its_engines(tmp_path: Path) -
         "import time, axon_nb\n"
         "from axon_nb.cluster import warm_engines\n"
         "cluster = axon_nb.Cluster(n=2, timeout=30).start()\n"
-        "cluster.apply(cluster.targets(), time.sleep, 600)\n"
+        "cluster.send(time.sleep, 600)\n"
         f"open({str(tmp_path / 'up')!r}, 'w').write(str(warm_engines.server_pid()))\n"
         "time.sleep(600)\n"
     )

@@ -8,8 +8,6 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from axon_nb.cluster.control import Control
-from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.rank import entry
 from axon_nb.spec.checkpoint_format import Checkpoint, plan_save
 
@@ -57,9 +55,7 @@ def save(
     target = plan_save(path, kind, overwrite, private)
     target.create_partial()
     try:
-        targets = cluster.targets()
-        ar, interrupted = cluster.apply(targets, entry.save_checkpoint, name, target)
-        results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
+        cluster.run(entry.save_checkpoint, name, target)
     except BaseException:
         target.discard_partial()  # kept only if complete: then the error says where it is
         raise
@@ -82,9 +78,7 @@ def load(cluster: ClusterLike, path: str | os.PathLike[str], *, name: str = "mod
         cluster.train(steps=100, batch_size=32, resume=True)
     """
     ckpt = Checkpoint.read(path)  # missing or incomplete: refused before any rank is asked
-    targets = cluster.targets()
-    ar, interrupted = cluster.apply(targets, entry.load_checkpoint, name, ckpt.path)
-    results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
+    cluster.run(entry.load_checkpoint, name, ckpt.path)
     return ckpt
 
 
@@ -120,13 +114,8 @@ def rescue(
     target = plan_save(path, "full", False, private)
     target.create_partial()
     try:
-        control = Control(cluster.client, alive)
-        ar = cluster.view(alive).apply_async(entry.rescue_pieces, name, target.partial)
-        results(wait_for_ranks(ar, alive, control=control, timeout=cluster.options.timeout))
-        ar = cluster.view([alive[0]]).apply_async(entry.rescue_assemble, name, target, dead)
-        (done,) = results(
-            wait_for_ranks(ar, alive[:1], control=control, timeout=cluster.options.timeout)
-        )
+        cluster.control_call(entry.rescue_pieces, name, target.partial, ranks=alive)
+        [done] = cluster.control_call(entry.rescue_assemble, name, target, dead, ranks=alive[:1])
     except BaseException:
         target.discard_partial()
         raise

@@ -13,7 +13,6 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from axon_nb.cluster.waiting import results
 from axon_nb.rank import entry
 
 if TYPE_CHECKING:
@@ -46,9 +45,7 @@ def save_pretrained(
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.partial-{uuid.uuid4().hex[:12]}")
     try:
-        targets = cluster.targets()
-        ar, interrupted = cluster.apply(targets, entry.save_pretrained, name, str(partial))
-        results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
+        cluster.run(entry.save_pretrained, name, str(partial))
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # incomplete: nothing to keep
         raise

@@ -22,9 +22,12 @@ from axon_nb.cluster.lab_registry import LabRegistry
 from axon_nb.cluster.launchers import CONTROLLER_ARGS, LAUNCHERS, configure_controller
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
-from axon_nb.cluster.transport import Transport
+from axon_nb.cluster.transport import ClusterLike
 from axon_nb.errors import AxonError
 from axon_nb.rank import entry
+from axon_nb.spec.make import make_spec
+from axon_nb.spec.train_spec import spec_options
+from axon_nb.strategies import DDP
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
     from axon_nb.train.compare import Comparison
 
 
-class Cluster(Transport):
+class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of a Cluster)
     """Persistent ranks for distributed PyTorch, started with MPI and joined by torch.distributed.
 
     Example::
@@ -130,13 +133,9 @@ class Cluster(Transport):
             # (ipyparallel's 10 s for the controller's first answer is too short on a busy host)
             self._client = startup.connect_client(cluster, opts.start_timeout)
             startup.wait_for_engines(cluster, self._client, opts, self.log)
-            self.ranks = startup.join_world(
-                self._client,
-                opts,
-                self._wait_start,
-                str(self._watch.path),
-                kernel_addr=cluster.controller_ip or None,
-            )
+            self.ranks = startup.join_world(self._client, opts, self._wait_start,
+                                            str(self._watch.path),
+                                            kernel_addr=cluster.controller_ip or None)  # fmt: skip
         except BaseException as e:
             lost_a_port = startup.port_was_taken(cluster, self.log)
             self.stop()  # copies what the controller wrote by now (more than above, on a busy host)
@@ -206,55 +205,58 @@ class Cluster(Transport):
         return f"<axon_nb.Cluster n={self.options.n} engines={self.options.engines} {state}>"
 
     # -- features: each a function in its own module over this cluster ---------------------
-    # The options are declared once, on TrainSpec (axon_nb/spec/train_spec.py);
-    # tests/test_signatures.py checks that every signature here carries them, same defaults.
+    # The options are declared once, on TrainSpec (axon_nb/spec/train_spec.py); train and
+    # compare take them by name (tests/test_signatures.py checks each, with its default),
+    # build the spec once and pass it down.
 
     def train(
         self, model: Any = None, data: Any = None, *, strategy: Any = None,
         columns: tuple[Any, Any] | None = None, optimizer: Any = None,
         param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
-        no_decay: str | None = None,
-        loss: Callable[..., Any] | None = None, loss_normalization: str = "mean", steps: int,
-        batch_size: int, grad_accum: int = 1,
+        no_decay: str | None = None, loss: Callable[..., Any] | None = None,
+        loss_normalization: str = "mean", steps: int, batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,
-        loader: dict[str, Any] | None = None, compile: bool = False,
-        schedule: str = "constant", warmup_steps: int = 0,
-        scheduler: Callable[..., Any] | None = None, seed: int = 0, resume: bool = False,
-        name: str = "model", metrics_interval_s: float = 0.5,
-        checkpoint_dir: str | os.PathLike[str] | None = None,
-        checkpoint_every: int | None = None, checkpoint_every_s: float | None = None,
-        keep: int | None = None, max_restarts: int = 0, min_ranks: int | None = None,
-        eval_data: Any = None, eval_every: int | None = None,
+        loader: dict[str, Any] | None = None, compile: bool = False, schedule: str = "constant",
+        warmup_steps: int = 0, scheduler: Callable[..., Any] | None = None, seed: int = 0,
+        resume: bool = False, name: str = "model", metrics_interval_s: float = 0.5,
+        checkpoint_dir: str | os.PathLike[str] | None = None, checkpoint_every: int | None = None,
+        checkpoint_every_s: float | None = None, keep: int | None = None, max_restarts: int = 0,
+        min_ranks: int | None = None, eval_data: Any = None, eval_every: int | None = None,
         metrics: Mapping[str, Callable[..., Any]] | None = None,
-        log_to: str | Sequence[str] | None = None,
-        log_dir: str | os.PathLike[str] | None = None, trace: tuple[int, int] | None = None,
-        block: bool = True,
+        log_to: str | Sequence[str] | None = None, log_dir: str | os.PathLike[str] | None = None,
+        trace: tuple[int, int] | None = None, block: bool = True,
     ) -> TrainResult | TrainHandle:  # fmt: skip
-        """Train on the ranks: :func:`axon_nb.train.train` on this cluster. Example::
+        """Train ``model`` on every rank with ``strategy`` (default ``DDP()``); ``batch_size`` is
+        the global batch per optimizer step. Each option is a field of
+        :class:`~axon_nb.spec.train_spec.TrainSpec`, documented there; what a run does with them
+        (checkpoints, restarts, dask data, trackers) is in :mod:`axon_nb.train.on_cluster`.
+        Returns a :class:`TrainResult`, or with ``block=False`` a :class:`TrainHandle` at once.
+        Example::
 
-        result = cluster.train(make_model, ds, strategy=DDP(), steps=100, batch_size=32)
+            result = cluster.train(make_model, ds, strategy=DDP(), steps=100, batch_size=32)
         """
-        return features.train(**_forward(locals()))
+        spec = make_spec(DDP, **spec_options(locals()))
+        return features.train(self, spec, block=block)
 
     def compare(
         self, strategies: list[Any], *, steps: int = 10, warmup: int = 2, model: Any = None,
         data: Any = None, columns: tuple[Any, Any] | None = None, optimizer: Any = None,
         param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
-        no_decay: str | None = None,
-        loss: Callable[..., Any] | None = None, loss_normalization: str = "mean",
-        batch_size: int, grad_accum: int = 1,
+        no_decay: str | None = None, loss: Callable[..., Any] | None = None,
+        loss_normalization: str = "mean", batch_size: int, grad_accum: int = 1,
         mixed_precision: str | None = None, clip_grad_norm: float | None = None,
-        loader: dict[str, Any] | None = None, compile: bool = False,
-        schedule: str = "constant", warmup_steps: int = 0,
-        scheduler: Callable[..., Any] | None = None, seed: int = 0,
+        loader: dict[str, Any] | None = None, compile: bool = False, schedule: str = "constant",
+        warmup_steps: int = 0, scheduler: Callable[..., Any] | None = None, seed: int = 0,
         metrics_interval_s: float = 0.5, from_state: bool | str = False,
     ) -> Comparison:  # fmt: skip
-        """Each strategy trained a few steps on these ranks, side by side with its prediction:
-        :func:`axon_nb.train.compare.compare`. Example::
+        """Each strategy trained ``steps`` steps on these ranks from the same model, data and
+        seed, side by side with its prediction (:func:`axon_nb.train.compare.compare`); the
+        other options are :meth:`train`'s. Example::
 
-        cluster.compare([DDP(), FSDP()], model=make_model, data=ds, batch_size=32)
+            cluster.compare([DDP(), FSDP()], model=make_model, data=ds, batch_size=32)
         """
-        return features.compare(**_forward(locals()))
+        spec = make_spec(DDP, **spec_options(locals()), resume=bool(from_state))  # (DDP: replaced)
+        return features.compare(self, strategies, spec, warmup=warmup, from_state=from_state)
 
     def profile(self, model: Any, data: Any, loss: Any = None, *, samples: int = 4) -> Any:
         """Measure ``model`` on rank 0 (one forward and backward of ``samples`` items of
@@ -374,7 +376,7 @@ class Cluster(Transport):
             client = cluster.dask()
             df = dd.read_parquet("data/*.parquet").persist()   # read by the ranks
         """
-        return self._dask.ensure(self, self._watch, dashboard=dashboard)
+        return self._dask.ensure(self, self._watch, self._ipp, dashboard=dashboard)
 
     def hold_dask_rows(self, futures: list[Any]) -> None:
         """Keep the dask futures of the latest run's rows alive (the previous run's go)."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import ipyparallel as ipp
 
+from axon_nb.cluster.sending import dispatch
 from axon_nb.rank import entry
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class Control:
         if len(alive) < 2:
             return
         try:
-            counts = self.client[alive].apply_async(entry.collectives_issued).get(timeout=10)
+            counts = dispatch(self.client, alive, entry.collectives_issued).get(timeout=10)
         except Exception as e:  # a diagnosis failing must not hide the interrupt itself
             print(f"could not compare the ranks' collectives: {e}", file=sys.stderr)
             return
@@ -123,7 +124,7 @@ class Control:
         """Cut ``ranks``' connections (``entry.sever``) and mark the world for re-forming."""
         self.released = True
         try:
-            self.client[ranks].apply_async(entry.sever).get(timeout=10)
+            dispatch(self.client, ranks, entry.sever).get(timeout=10)
         except Exception as e:
             print(f"{failure}: {e}", file=sys.stderr)
 
@@ -144,8 +145,8 @@ def held_interrupts() -> Iterator[HeldInterrupt]:
     Example::
 
         with held_interrupts() as held:
-            ar = view.apply_async(fn)
-        cluster.wait(ar, targets, stream=True, interrupted=held.arrived)
+            ar = dispatch(client, targets, fn)
+        wait_for_ranks(ar, targets, control=control, interrupted=held.arrived)
     """
     held = HeldInterrupt()
     if threading.current_thread() is not threading.main_thread():

@@ -19,7 +19,7 @@ a new one.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from axon_nb.cluster.dask_tls import cluster_tls
 from axon_nb.errors import AxonError
@@ -27,6 +27,7 @@ from axon_nb.rank import entry
 
 if TYPE_CHECKING:
     import distributed
+    import ipyparallel as ipp
 
     from axon_nb.cluster.hangs import WatchDir
     from axon_nb.cluster.transport import ClusterLike
@@ -54,11 +55,17 @@ class DaskOnRanks:
         a certificate file went missing."""
 
     def ensure(
-        self, cluster: ClusterLike, private: WatchDir | None, *, dashboard: bool = False
+        self,
+        cluster: ClusterLike,
+        private: WatchDir | None,
+        controller: ipp.Cluster | None,
+        *,
+        dashboard: bool = False,
     ) -> distributed.Client:
         """The client, started now if there is none or the ranks changed since (or the
         dashboard is asked for and not on), its certificates in the cluster's owner-only
-        directory ``private``. On any failure, no scheduler or worker is left running."""
+        directory ``private``, its scheduler in the ipyparallel ``controller``. On any failure,
+        no scheduler or worker is left running."""
         if private is None:
             raise AxonError("the cluster is not running: start it before cluster.dask()")
         tls = cluster_tls(private.path)
@@ -75,13 +82,13 @@ class DaskOnRanks:
         self.close()
         self._security = tls.security("client")
         try:
-            self.address = _start_scheduler(cluster, _scheduler_host(cluster), dashboard)
+            self.address = _start_scheduler(cluster, _scheduler_host(controller), dashboard)
             cluster.run(entry.start_dask_worker, self.address, tls.pem("worker"), stream=False)
             self.client = _connect(self.address, self._security, len(cluster.ranks))
         except BaseException:
             self.end(cluster)
             raise
-        self.workers = _workers_by_rank(self.client)
+        self.workers = workers_by_rank(self.client)
         self.dashboard = self.client.dashboard_link if dashboard else None
         print(self.describe(), flush=True)
         return self.client
@@ -128,17 +135,16 @@ class DaskOnRanks:
         if self.client is None or self.client.status != "running":
             return False
         with contextlib.suppress(Exception):
-            return _workers_by_rank(self.client) == self.workers and len(self.workers) == len(
+            return workers_by_rank(self.client) == self.workers and len(self.workers) == len(
                 cluster.ranks
             )
         return False
 
 
-def _scheduler_host(cluster: ClusterLike) -> str:
-    ipp_cluster = cluster._ipp
-    if ipp_cluster is None:
+def _scheduler_host(controller: ipp.Cluster | None) -> str:
+    if controller is None:
         raise AxonError("the cluster is not running: start it before cluster.dask()")
-    return ipp_cluster.controller_ip or "127.0.0.1"
+    return controller.controller_ip or "127.0.0.1"
 
 
 def _start_scheduler(cluster: ClusterLike, host: str, dashboard: bool) -> str:
@@ -201,7 +207,8 @@ def _shut_down_scheduler(
         client._send_recv(client._query_stream, "stop_distributed_request", {})
 
 
-def _workers_by_rank(client: Any) -> dict[int, str]:
+def workers_by_rank(client: distributed.Client) -> dict[int, str]:
+    """Rank -> the address of its worker, as the scheduler of ``client`` knows them."""
     workers = client.scheduler_info(n_workers=-1)["workers"]
     return {
         int(str(info["name"]).removeprefix("rank-")): address

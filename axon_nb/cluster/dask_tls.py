@@ -35,6 +35,8 @@ from axon_nb.spec.dask_security import security_from_pem
 
 if TYPE_CHECKING:
     import distributed
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 
 ROLES = ("scheduler", "worker", "client")
 VALID_DAYS = 3650
@@ -152,7 +154,12 @@ def _write_certificates(tls: ClusterTLS) -> None:
         _write(tls.path(f"{role}-key.pem"), key_bytes)
 
 
-def _builder(subject, issuer, public_key, valid):  # type: ignore[no-untyped-def]
+def _builder(
+    subject: x509.Name,
+    issuer: x509.Name,
+    public_key: CertificatePublicKeyTypes,
+    valid: tuple[datetime.datetime, datetime.datetime],
+) -> x509.CertificateBuilder:
     from cryptography import x509
 
     return (

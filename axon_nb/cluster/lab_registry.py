@@ -183,7 +183,7 @@ class LabRegistry:
             "hosts": sorted({str(r.get("host")) for r in ranks}),
             "devices": [str(r.get("device")) for r in ranks],
             "backend": str(ranks[0].get("backend")) if ranks else None,
-            "status": "broken" if cluster._broken else "running" if cluster.running else "stopped",
+            "status": "broken" if cluster.broken else "running" if cluster.running else "stopped",
             "memory": [
                 {"rank": m["rank"], "used": m["held"], "total": max(m["held"], m["peak"])}
                 for m in memory

@@ -61,8 +61,9 @@ SHOWN = ("display_data", "update_display_data", "clear_output")
 _Arrived = tuple[int, dict[str, Any], dict[str, int]]
 """A rank's message: ``(rank, message, {stream: where its ended lines ended then})``."""
 
-_display_ids: OrderedDict[tuple[int, str], list[str]] = OrderedDict()
-"""``(rank, the rank's display id)`` -> the kernel's display ids that show it."""
+_display_ids: OrderedDict[tuple[int, str | None], list[str]] = OrderedDict()
+"""``(rank, the rank's display id)`` -> the kernel's display ids that show it (looked up with
+a message's id, which may be missing: None, never stored)."""
 
 
 @dataclass

@@ -19,6 +19,7 @@ from axon_nb.cluster.iopub_guard import guard_iopub
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
 from axon_nb.cluster.rank_processes import RankProcesses
+from axon_nb.cluster.sending import dispatch
 from axon_nb.cluster.waiting import results
 from axon_nb.errors import AxonError, ClusterStartError, RankError
 from axon_nb.rank import entry
@@ -286,7 +287,7 @@ def join_world(
     targets = sorted(client.ids)
     try:
         if options.engines in ("mpi", "slurm"):
-            ar = view(client, targets).apply_async(entry.bootstrap_mpi, spec)
+            ar = dispatch(client, targets, entry.bootstrap_mpi, spec)
             summaries = results(wait(ar, targets))
         else:
             summaries = _join_planned_by_kernel(client, spec, targets, wait)
@@ -305,14 +306,14 @@ def _join_planned_by_kernel(
 ) -> list[dict[str, Any]]:
     """Engines without MPI: all on this host; the kernel plans, each rank joins."""
     probes = results(
-        wait(view(client, targets).apply_async(entry.probe_by_engine_id, len(targets)), targets)
+        wait(dispatch(client, targets, entry.probe_by_engine_id, len(targets)), targets)
     )
     try:
         plans = plan_world(probes, backend=spec.backend, gpus=spec.gpus)
     except PlacementError as e:
         raise ClusterStartError(str(e)) from None
-    ars = [
-        client[t].apply_async(entry.join_world, plans[t], spec.timeout_s, spec.watch_dir)
+    ars = [  # each its own plan: a message each
+        dispatch(client, [t], entry.join_world, plans[t], spec.timeout_s, spec.watch_dir)
         for t in targets
     ]
     merged = ipp.AsyncResult(client, [m for a in ars for m in a.msg_ids], targets=targets)
@@ -352,9 +353,3 @@ def read_output(launcher: Any) -> str:
                 text = f.read()
         launcher._output = text
     return str(launcher._output)
-
-
-def view(client: ipp.Client, targets: list[int]) -> ipp.DirectView:
-    """A view on ``targets``; one rank is addressed by its id, so results are not wrapped
-    in one-item lists (ipyparallel wraps them for list targets)."""
-    return client[targets[0] if len(targets) == 1 else targets]

@@ -141,7 +141,7 @@ def _send(proc: psutil.Process, sig: int) -> None:
 def launcher_pids(ipp_cluster: Any, *, engines: bool = True, controller: bool = True) -> list[int]:
     """Pids of the processes an ``ipyparallel.Cluster`` started: the engine launchers
     (``mpiexec``, or each local engine's parent) and the controller."""
-    launchers = []
+    launchers: list[Any] = []  # (ipyparallel launchers)
     for engine_set in ipp_cluster.engines.values() if engines else []:
         # (a local engine set is one launcher per engine; an MPI set is one mpiexec)
         launchers += getattr(engine_set, "launchers", {}).values() or [engine_set]

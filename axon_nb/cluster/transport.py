@@ -1,6 +1,11 @@
 """``Transport``: the live connection to a cluster's ranks, apart from starting and stopping
-them (``Cluster``): sending work (one way, ``sending.py``), waiting for it, the world's state
-(dead ranks, a broken or re-formed world) and seeing into busy ranks.
+them (``Cluster``): sending work and waiting for it, the world's state (dead ranks, a broken
+or re-formed world) and seeing into busy ranks.
+
+One path to the ranks: every feature sends its work with :meth:`Transport.send` (or
+:meth:`Transport.run`, send and wait) and waits with :meth:`Sent.wait`; the control channel
+(re-forming the world, rescuing a broken one) with :meth:`Transport.control_call`. Both leave
+through ``sending.dispatch``, the one place that hands ipyparallel a message.
 
 Features (``train``, ``checkpoint``, ``compare``, ``bandwidth``, ``dask``, recovery) take a
 cluster and use only what is here and in :class:`ClusterLike`, so none of them imports
@@ -17,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 
-from axon_nb.cluster import hangs, startup
+from axon_nb.cluster import hangs
 from axon_nb.cluster.control import Control, held_interrupts
 from axon_nb.cluster.hangs import ANSWER_S, HangWatch, WatchDir
 from axon_nb.cluster.options import ClusterOptions
-from axon_nb.cluster.sending import call_args
+from axon_nb.cluster.sending import call_args, dispatch, dispatch_code
 from axon_nb.cluster.stacks import StackReport
 from axon_nb.cluster.stopping import alive
 from axon_nb.cluster.waiting import release_left_behind, results, wait_for_ranks
@@ -55,6 +60,11 @@ class Transport:
         return self._client is not None and bool(self.ranks)
 
     @property
+    def broken(self) -> str | None:
+        """Why the world is broken (``"rank 1 died (its output: ...)"``); None while whole."""
+        return self._broken
+
+    @property
     def client(self) -> ipp.Client:
         """The ipyparallel client connected to the ranks (engine id == rank)."""
         if self._client is None:
@@ -78,9 +88,40 @@ class Transport:
 
             cluster.run(lambda: torch.distributed.get_rank())   # [0, 1, 2, 3]
         """
+        return self.send(fn, *args, ranks=ranks, **kwargs).wait(stream=stream)
+
+    def send(
+        self, fn: Callable[..., Any], *args: Any, ranks: Sequence[int] | None = None, **kwargs: Any
+    ) -> Sent:
+        """Send ``fn(*args, **kwargs)`` to every rank (or ``ranks``) without waiting; wait with
+        :meth:`Sent.wait`. The function and its arguments are pickled once (cloudpickle:
+        functions and classes defined in the notebook travel by value) and sent as one
+        message whatever the number of ranks. A Ctrl-C while sending is held back and
+        delivered by the wait. Example::
+
+            sent = cluster.send(entry.evaluate, name, data, loss, {}, 32)
+            sent.wait()   # [{"loss": 0.31, ...}, ...] in rank order
+        """
         targets = self.targets(ranks)
-        ar, interrupted = self.apply(targets, fn, *args, **kwargs)
-        return results(self.wait(ar, targets, stream=stream, interrupted=interrupted))
+        with held_interrupts() as held:
+            ar = dispatch(self.client, targets, *call_args(fn, args, kwargs))
+        return Sent(self, ar, targets, held.arrived)
+
+    def control_call(
+        self, fn: Callable[..., Any], *args: Any, ranks: list[int], timeout: float | None = None
+    ) -> list[Any]:
+        """The control channel: ``fn(*args)`` (a function of ``axon_nb.rank.entry``) on
+        ``ranks`` and wait, also while the world is broken or being re-formed (rescue, the
+        re-forming itself): no check of the world, no hang watch, nothing re-formed after.
+        Results in ``ranks`` order. Example::
+
+            cluster.control_call(entry.rescue_pieces, name, partial, ranks=alive)
+        """
+        ar = dispatch(self.client, ranks, fn, *args)
+        control = Control(self.client, ranks)
+        return results(
+            wait_for_ranks(ar, ranks, control=control, timeout=timeout or self.options.timeout)
+        )
 
     def execute(
         self, code: str, *, ranks: Sequence[int] | None = None, stream: bool = True
@@ -94,8 +135,8 @@ class Transport:
         """
         targets = self.targets(ranks)
         with held_interrupts() as held:
-            ar = self.view(targets).execute(code, silent=False, block=False)
-        return self.wait(ar, targets, stream=stream, interrupted=held.arrived)
+            ar = dispatch_code(self.client, targets, code)
+        return Sent(self, ar, targets, held.arrived).parts(stream=stream)
 
     def run_script(self, path: str, args: Sequence[str] = ()) -> list[int]:
         """Run an unmodified torchrun-style script on every rank (fresh processes, own world).
@@ -106,11 +147,7 @@ class Transport:
         """
         if not os.path.isfile(path):
             raise FileNotFoundError(f"no such script: {path!r} (relative to {os.getcwd()})")
-        targets = self.targets(None)
-        ar, interrupted = self.apply(
-            targets, entry.run_script, os.path.abspath(path), list(args), os.getcwd()
-        )
-        return results(self.wait(ar, targets, stream=True, interrupted=interrupted))
+        return self.run(entry.run_script, os.path.abspath(path), list(args), os.getcwd())
 
     def survivors(self) -> tuple[list[int], list[int]]:
         """``(alive, dead)`` ranks: a rank is dead once a call saw it die, once the controller
@@ -202,22 +239,6 @@ class Transport:
         """Ranks on each host (rank 0's host), e.g. FSDP hybrid sharding's default group."""
         return int(self.ranks[0]["local_world_size"]) if self.ranks else 1
 
-    def apply(
-        self, targets: list[int], fn: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> tuple[ipp.AsyncResult, bool]:
-        """Send ``fn(*args, **kwargs)`` to ``targets`` without waiting: its ``AsyncResult``, and
-        whether a Ctrl-C came while sending (held back; pass it to :meth:`wait`).
-
-        Every feature sends its work this way (``cluster/sending.py``), so functions defined
-        in the notebook work everywhere."""
-        with held_interrupts() as held:
-            ar = self.view(targets).apply_async(*call_args(fn, args, kwargs))
-        return ar, held.arrived
-
-    def view(self, targets: list[int]) -> ipp.DirectView:
-        """A view on ``targets`` (see ``startup.view``: one rank is addressed by its id)."""
-        return startup.view(self.client, targets)
-
     def targets(self, ranks: Sequence[int] | None = None) -> list[int]:
         """``ranks`` checked against the running world (all ranks for None), sorted."""
         if not self.running:
@@ -261,10 +282,11 @@ class Transport:
         control = Control(self.client, world, self.stacks if joined else None)
         hang = None
         if watch_hangs and self.options.hang_timeout is not None and self._watch is not None:
-            hang = HangWatch(
-                self.options.hang_timeout,
-                lambda s: self.report_hang(s, progress="no rank finished or printed"),
-            )
+
+            def report(seconds: float) -> None:
+                self.report_hang(seconds, progress="no rank finished or printed")
+
+            hang = HangWatch(self.options.hang_timeout, report)
         try:
             return wait_for_ranks(
                 ar, targets, control=control, stream=stream, timeout=timeout, hang=hang, **options
@@ -324,17 +346,49 @@ class Transport:
             "Objects built on the old group (DDP models, device meshes) must be rebuilt.",
             file=sys.stderr,
         )
-        port = self.client[0].apply_sync(entry.free_port)
+        [port] = self.control_call(entry.free_port, ranks=[0])
         targets = list(range(len(self.ranks)))
-        ar = self.view(targets).apply_async(entry.reform, port)
-        parts = wait_for_ranks(
-            ar, targets, control=Control(self.client, []), timeout=self.options.start_timeout
+        self.ranks = self.control_call(
+            entry.reform, port, ranks=targets, timeout=self.options.start_timeout
         )
-        self.ranks = results(parts)
 
     def _wait_start(self, ar: ipp.AsyncResult, targets: list[int]) -> dict[int, ipp.AsyncResult]:
         return self.wait(
             ar, targets, stream=True, timeout=self.options.start_timeout, watch_hangs=False
+        )
+
+
+class Sent:
+    """Work :meth:`Transport.send` sent to the ranks, to be waited for once (``ar``: its
+    ipyparallel ``AsyncResult``, one message per rank of ``targets``)."""
+
+    def __init__(
+        self, transport: Transport, ar: ipp.AsyncResult, targets: list[int], interrupted: bool
+    ) -> None:
+        self.transport = transport
+        self.ar = ar
+        self.targets = targets
+        self.interrupted = interrupted
+        """A Ctrl-C came while sending (held back): the wait delivers it first thing."""
+
+    def wait(self, *, stream: bool = True, **options: Any) -> list[Any]:
+        """Wait as :meth:`parts` does; the results in rank order. Example::
+
+        cluster.send(noop).wait()   # [None, None]
+        """
+        return results(self.parts(stream=stream, **options))
+
+    def parts(self, *, stream: bool = True, **options: Any) -> dict[int, ipp.AsyncResult]:
+        """Wait for every rank (``Transport.wait``: output streamed, the first failure raised,
+        Ctrl-C forwarded, the world's state kept); each rank's finished part. ``options`` as
+        ``waiting.wait_for_ranks`` takes them (``tick``, ``timeout``, ``soft_stop_s``,
+        ``watch_hangs``). Example::
+
+            parts = cluster.send(fn).parts(tick=redraw)
+        """
+        interrupted, self.interrupted = self.interrupted, False  # (delivered once)
+        return self.transport.wait(
+            self.ar, self.targets, stream=stream, interrupted=interrupted, **options
         )
 
 

@@ -114,10 +114,10 @@ def wait_for_ranks(
                 if deadline is not None:
                     left = deadline - time.monotonic()
                     if left < 0:
-                        running = _running(parts)
-                        _interrupt(parts, control, running)
+                        late = _running(parts)
+                        _interrupt(parts, control, late)
                         raise AxonError(
-                            f"ranks {_fmt(running)} did not finish within {timeout:.0f} s; "
+                            f"ranks {_fmt(late)} did not finish within {timeout:.0f} s; "
                             "they were interrupted"
                         )
                     wait_s = min(wait_s, left)

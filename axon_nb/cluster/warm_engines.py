@@ -139,7 +139,7 @@ def _fingerprint() -> tuple[object, ...]:
     installed versions, axon_nb's sources): a change means a new server, so that engines
     stay what a new process would be (after ``%pip install -U torch``, say)."""
     environment = sorted((k, v) for k, v in os.environ.items() if k.startswith(LOAD_TIME_ENV))
-    versions = []
+    versions: list[str | None] = []
     for package in ("torch", "ipyparallel", "ipykernel", "mpi4py", "numpy"):
         try:
             versions.append(importlib.metadata.version(package))

@@ -84,14 +84,46 @@ step runs there); a pipeline's whole accumulated gradients stay on the device. E
 
 from __future__ import annotations
 
-import itertools
+from dataclasses import dataclass
 from typing import Any
 
+from axon_nb.estimate.backward_memory import (
+    activation_grads,
+    data_parallel_moments,
+    head_before_blocks,
+    largest_tensor,
+    last_trained,
+    saved_activations,
+    saved_after_blocks,
+)
+from axon_nb.estimate.fsdp_memory import (
+    fsdp_units,
+    gathered_after_forward,
+    gathered_in_backward,
+    layer_sharded_moments,
+)
 from axon_nb.estimate.optimizer_memory import state_bytes, step_temporaries
 from axon_nb.estimate.profile import LayerProfile, ModelProfile
 from axon_nb.estimate.rank_layout import RankLayout
 
 HALF = {"bf16", "fp16"}
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What the terms are computed from: one rank's layers and sizes (elements, not bytes,
+    except ``b``, the bytes per parameter element)."""
+
+    layers: list[LayerProfile]
+    b: int
+    local: float  # parameters held (experts apart)
+    trained: float  # trainable parameters held (experts apart)
+    mine: float  # expert parameters of this rank's share
+    largest: float  # the largest trainable tensor
+    half: bool  # bf16 compute (autocast or FSDP's param_dtype)
+    autocast: bool  # bf16 autocast (as the probe measured it)
+    fsdp: Any  # the FSDP config, or None
+    gathered_bytes: int  # bytes per element FSDP gathers in
 
 
 def predict_memory(
@@ -105,35 +137,76 @@ def predict_memory(
     """Bytes of each term (see the module docstring) at the moment that holds the peak,
     their sum ``peak``, that moment's ``phase`` (``backward``, ``step`` or ``pipeline``) and
     ``offloaded``, for one rank. ``optimizer`` as ``train`` takes it (a callable is counted
-    as AdamW); ``device_type`` chooses the optimizer's default path (``optimizer_memory``)."""
-    tp, b = layout.dims.tp, profile.param_bytes
+    as AdamW); ``device_type`` chooses the optimizer's default path (``optimizer_memory``).
+    Example::
+
+        predict_memory(profile, layout, optimizer="sgd")["peak"]
+    """
+    r = _rank(profile, layout, mixed_precision)
+    held = _held(r, layout, optimizer)
+    in_backward = _in_backward(profile, layout, r, held)
+    at_step = _at_step(layout, r, held, optimizer, device_type)
+    moments = _moments(profile, layout, r, held, in_backward, at_step)
+    offloaded = _offload(layout, r, held, moments) if r.fsdp and r.fsdp.cpu_offload else 0.0
+    terms, phase = max(moments, key=lambda m: sum(m[0].values()))
+    return {**terms, "peak": sum(terms.values()), "phase": phase, "offloaded": offloaded}
+
+
+def _rank(profile: ModelProfile, layout: RankLayout, mixed_precision: str | None) -> _Rank:
+    tp = layout.dims.tp
     layers = [profile.layers[i] for i in layout.layers]
     # expert parallelism: the experts are split over ep ranks, the rest as the strategy says
     experts = layout.experts(layers)
-    local = sum(layer.local_params(tp) for layer in layers) - experts
-    trained = sum(layer.local_trainable(tp) for layer in layers) - experts
-    mine = experts / layout.dims.ep
     fsdp = layout.config.fsdp if layout.kind == "fsdp" else None
     compute = mixed_precision or (fsdp.param_dtype if fsdp is not None else None)
-    # bf16 compute: under autocast (mixed_precision) as the probe measured it; FSDP's
-    # param_dtype alone computes all in bf16: half the fp32 activations
-    half = compute in HALF
-    autocast = mixed_precision in HALF
-    kind, dp = layout.kind, layout.dims.dp
-    largest = _largest(layers, layout)
-    buckets = trained * b if kind in ("ddp", "zero1") else 0.0
-    # ZeRO-2's largest bucket: a quarter of the model or the cap, at least its largest tensor
-    bucket = max(largest, min(layout.config.bucket_cap_mb * 2**20 / b, trained / 4)) * b
-    # ZeRO-1 gives each rank whole tensors: its share is at least the largest
-    share = max(trained / dp, largest) if kind == "zero1" else trained / layout.optimizer_shards
-    held = {
-        "params": local * b / layout.param_shards + mine * b,
-        "optimizer": (share + mine) * state_bytes(optimizer),
+    return _Rank(
+        layers=layers,
+        b=profile.param_bytes,
+        local=sum(layer.local_params(tp) for layer in layers) - experts,
+        trained=sum(layer.local_trainable(tp) for layer in layers) - experts,
+        mine=experts / layout.dims.ep,
+        largest=largest_tensor(layers, layout),
+        # bf16 compute: under autocast (mixed_precision) as the probe measured it; FSDP's
+        # param_dtype alone computes all in bf16: half the fp32 activations
+        half=compute in HALF,
+        autocast=mixed_precision in HALF,
+        fsdp=fsdp,
+        # FSDP gathers in its own param_dtype; autocast casts the gathered fp32 weights later
+        gathered_bytes=2 if fsdp is not None and fsdp.param_dtype in HALF else profile.param_bytes,
+    )
+
+
+def _held(r: _Rank, layout: RankLayout, optimizer: Any) -> dict[str, float]:
+    """Parameters and optimizer state: held at every moment."""
+    return {
+        "params": r.local * r.b / layout.param_shards + r.mine * r.b,
+        "optimizer": (_stepped(r, layout) + r.mine) * state_bytes(optimizer),
     }
-    # activation gradients and the loss's temporaries
+
+
+def _stepped(r: _Rank, layout: RankLayout) -> float:
+    """Trainable elements this rank's optimizer steps (experts apart). ZeRO-1 gives each
+    rank whole tensors: its share is at least the largest."""
+    if layout.kind == "zero1":
+        return max(r.trained / layout.dims.dp, r.largest)
+    return r.trained / layout.optimizer_shards
+
+
+def _bucket(r: _Rank, layout: RankLayout) -> float:
+    """ZeRO-2's largest bucket: a quarter of the model or the cap, at least its largest
+    tensor (bytes)."""
+    cap = layout.config.bucket_cap_mb * 2**20 / r.b
+    return max(r.largest, min(cap, r.trained / 4)) * r.b
+
+
+def _working_set(profile: ModelProfile, layout: RankLayout, r: _Rank) -> float:
+    """The ``backward`` term at the start of backward: the last stage's measured working set
+    (under bf16 autocast as the probe measured it there, if it did), an earlier stage's
+    activation gradients, and the gradient autograd just made for a bucket (the last trained
+    layer's largest)."""
     backward = 0.0
-    if layout.last_stage:  # (under bf16 compute as the probe measured it there, if it did)
-        measured = autocast and (
+    if layout.last_stage:
+        measured = r.autocast and (
             profile.half_backward_extra_bytes or profile.half_backward_fixed_bytes
         )
         backward = (
@@ -143,165 +216,111 @@ def predict_memory(
             else profile.backward_extra_bytes * layout.micro_samples + profile.backward_fixed_bytes
         )
     elif layout.dims.pp > 1:  # an earlier stage: the gradients its layers pass back
-        backward = _activation_grads(layers) * layout.micro_samples
-    if kind in ("ddp", "zero1", "zero2"):
-        # the gradient autograd just made, before the bucket takes it: at the start of
-        # backward, the last trained layer's
-        backward += _largest(_last_trained(layers), layout) * b
-    # FSDP gathers in its own param_dtype; autocast casts the gathered fp32 weights later
-    gathered_bytes = 2 if fsdp is not None and fsdp.param_dtype in HALF else b
-    freed = _saved_after_blocks(layers, layout, half, autocast)  # before the blocks' backward
-    in_backward = {
+        backward = activation_grads(r.layers) * layout.micro_samples
+    if layout.kind in ("ddp", "zero1", "zero2"):
+        backward += largest_tensor(last_trained(r.layers), layout) * r.b
+    return backward
+
+
+def _in_backward(
+    profile: ModelProfile, layout: RankLayout, r: _Rank, held: dict[str, float]
+) -> dict[str, float]:
+    """The terms at the start of backward (or of the blocks' backward, once the head has
+    freed its activations)."""
+    kind, b = layout.kind, r.b
+    freed = saved_after_blocks(r.layers, layout, r.half, r.autocast)
+    activations = saved_activations(r.layers, layout, r.half, measured=r.autocast)
+    head = head_before_blocks(r.layers, layout, r.half, r.autocast, freed)
+    gathered = gathered_in_backward(
+        r.layers, layout, r.gathered_bytes, profile.fsdp_units, freed=freed
+    )
+    return {
         **held,
-        "buckets": bucket if kind == "zero2" else buckets,
-        "grads": _grads(layout, (trained + mine) * b, in_backward=True),
-        "activations": _activations(layers, layout, half, measured=autocast)
-        - _head_before_blocks(layers, layout, half, autocast, freed),
-        "backward": backward,
-        "pipeline": _pipeline(profile, layout, _returned_grads(layers, layout, b)),
-        "gathered": _gathered(layers, layout, gathered_bytes, profile.fsdp_units, freed=freed),
+        "buckets": _bucket(r, layout) if kind == "zero2" else _buckets(r, layout),
+        "grads": _grads(layout, (r.trained + r.mine) * b, in_backward=True),
+        "activations": activations - head,
+        "backward": _working_set(profile, layout, r),
+        "pipeline": _pipeline(profile, layout, _returned_grads(r.layers, layout, b)),
+        "gathered": gathered,
     }
-    stepped = share + mine
-    widest = bucket / b / dp if kind == "zero2" else largest / layout.param_shards
-    at_step = {
+
+
+def _buckets(r: _Rank, layout: RankLayout) -> float:
+    """DDP's (and ZeRO-1's) gradient buckets: every trainable parameter's gradient."""
+    return r.trained * r.b if layout.kind in ("ddp", "zero1") else 0.0
+
+
+def _at_step(
+    layout: RankLayout, r: _Rank, held: dict[str, float], optimizer: Any, device_type: str
+) -> dict[str, float]:
+    """The terms at the optimizer step: whole gradients, the optimizer's temporaries."""
+    b = r.b
+    if layout.kind == "zero2":
+        widest = _bucket(r, layout) / b / layout.dims.dp
+    else:
+        widest = r.largest / layout.param_shards
+    stepped = _stepped(r, layout) + r.mine
+    return {
         **held,
-        "buckets": buckets,
-        "grads": _grads(layout, trained * b, in_backward=False) + mine * b,
+        "buckets": _buckets(r, layout),
+        "grads": _grads(layout, r.trained * b, in_backward=False) + r.mine * b,
         "step": step_temporaries(
             optimizer, largest=widest * b, total=stepped * b, device_type=device_type
         ),
     }
+
+
+def _moments(
+    profile: ModelProfile,
+    layout: RankLayout,
+    r: _Rank,
+    held: dict[str, float],
+    in_backward: dict[str, float],
+    at_step: dict[str, float],
+) -> list[tuple[dict[str, float], str]]:
+    """Every moment that may hold the peak, with its phase."""
     # the activations' moment: where the probe saw them peak (with the loss's temporaries, a
     # model that computes its own loss may peak at the end of forward)
-    held_at = profile.half_working_set_phase if autocast else profile.working_set_phase
-    if held_at == "forward" and fsdp is not None and layout.dims.pp == 1:
-        in_backward["gathered"] = _gathered_after_forward(layers, layout, gathered_bytes, profile)
-    first = "pipeline" if layout.dims.pp > 1 else held_at
-    moments = [(m, first) for m in _fsdp_layer_moments(layers, layout, in_backward,
-                                                       gathered_bytes, half=half,
-                                                       autocast=autocast)]  # fmt: skip
+    held_at = profile.half_working_set_phase if r.autocast else profile.working_set_phase
+    whole_model = layout.dims.pp == 1
+    if held_at == "forward" and r.fsdp is not None and whole_model:
+        in_backward["gathered"] = gathered_after_forward(
+            r.layers, layout, r.gathered_bytes, profile
+        )
+    first = "pipeline" if not whole_model else held_at
+    layered = layer_sharded_moments(
+        r.layers, layout, in_backward, r.gathered_bytes, half=r.half, autocast=r.autocast
+    )
+    moments = [(m, first) for m in layered]
     moments.append((at_step, "step"))
-    if kind in ("ddp", "zero1", "zero2") and layout.dims.pp == 1:
+    if layout.kind in ("ddp", "zero1", "zero2") and whole_model:
         moments += [
-            ({**in_backward, **layer_moment}, "backward")
-            for layer_moment in _layer_moments(layers, layout, half, autocast, b)
+            ({**in_backward, **later}, "backward")
+            for later in data_parallel_moments(r.layers, layout, r.half, r.autocast, r.b)
         ]
-    if fsdp is not None and not fsdp.reshard_after_forward and layout.dims.pp == 1:
-        whole = [p * gathered_bytes for p, _ in _units(layers, layout, tp, profile.fsdp_units)]
+    if r.fsdp is not None and not r.fsdp.reshard_after_forward and whole_model:
+        units = fsdp_units(r.layers, layout, layout.dims.tp, profile.fsdp_units)
+        whole = [p * r.gathered_bytes for p, _ in units]
         moments.append(({**held, "activations": in_backward["activations"],
                          "gathered": sum(whole) + sum(sorted(whole)[-2:])}, "forward"))  # fmt: skip
-    offloaded = 0.0
-    if fsdp is not None and fsdp.cpu_offload:
-        # the host keeps the shards and steps them; on the device the gradient shards come
-        # only after the peak (a pipeline's whole accumulated gradients stay on the device)
-        offloaded = held["params"] + trained * b / layout.param_shards + held["optimizer"]
-        for moment, _ in moments:
-            moment.update(params=0.0, optimizer=0.0)
-            if layout.dims.pp == 1:
-                moment["grads"] = 0.0
-        at_step.clear()
-    terms, phase = max(moments, key=lambda m: sum(m[0].values()))
-    terms = dict(terms)
-    terms["peak"] = sum(terms.values())
-    terms["phase"] = phase
-    terms["offloaded"] = offloaded
-    return terms
-
-
-def _activations(
-    layers: list[LayerProfile], layout: RankLayout, half: bool, *, measured: bool
-) -> float:
-    """Saved activations of the rank's layers (``half``: under bf16 compute; ``measured``:
-    under autocast, as the probe measured them, with the weight copies autocast saves once
-    per micro-batch in flight, else half the fp32 ones)."""
-    tp, every = layout.dims.tp, layout.config.activation_checkpointing
-    sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
-    per_sample, rebuilt, block_index, fixed = 0.0, 0.0, 0, 0.0
-    previous_output = 0.0
-    for layer in layers:
-        saved = _saved(layer, tp, sequence, half, measured)
-        if layer.block and every and block_index % every == 0:
-            per_sample += previous_output * (0.5 if half else 1.0)  # the block's input
-            rebuilt = max(rebuilt, saved)
-        else:
-            per_sample += saved
-            fixed += layer.local_fixed(tp, half and measured)
-        block_index += layer.block
-        previous_output = layer.output_bytes
-    in_flight = layout.samples_in_flight / layout.micro_samples
-    rebuilt *= layout.micro_samples
-    return per_sample * layout.samples_in_flight + rebuilt + fixed * in_flight
-
-
-def _layer_moments(
-    layers: list[LayerProfile], layout: RankLayout, half: bool, autocast: bool, b: int
-) -> list[dict[str, float]]:
-    """Data parallelism's moments later in backward, one per trained layer ``k`` before the
-    last: the gradient autograd has just made for ``k``'s largest tensor (its bucket takes it
-    next), the gradient of ``k``'s input autograd passes on, and the saved activations of the
-    layers before ``k`` only (``k``'s own are freed once its backward has run; the later
-    layers' before; under autocast the gradient of the tensor's bf16 copy is freed once it
-    is cast, before the bucket takes the fp32 one). A model whose largest tensor is not in
-    its last layer peaks here."""
-    moments = []
-    for k in range(1, len(layers) - 1):
-        if layers[k].local_trainable(layout.dims.tp) == 0:
-            continue
-        largest = _largest([layers[k]], layout)
-        moments.append({
-            "activations": _activations(layers[:k], layout, half, measured=autocast),
-            "backward": layers[k - 1].output_bytes * layout.micro_samples
-            + largest * b,
-        })  # fmt: skip
     return moments
 
 
-def _activation_grads(layers: list[LayerProfile]) -> float:
-    """Per sample, the most a stage's backward holds of the gradients it passes back at once:
-    a layer's output's and the one it makes for its input (the previous layer's output)."""
-    outputs = [0.0] + [x.output_bytes for x in layers]
-    return max(a + b for a, b in itertools.pairwise(outputs))
-
-
-def _last_trained(layers: list[LayerProfile]) -> list[LayerProfile]:
-    """The last layer with trainable parameters (as a list), or all of them when none has."""
-    trained = [x for x in layers if x.params > x.frozen]
-    return trained[-1:] or layers
-
-
-def _saved(layer: LayerProfile, tp: int, sequence: bool, half: bool, measured: bool) -> float:
-    """A layer's saved activations per sample: fp32, or under bf16 compute as measured under
-    autocast (``measured``) or half the fp32 ones."""
-    saved = layer.local_saved(tp, sequence, half and measured)
-    return saved * 0.5 if half and not measured else saved
-
-
-def _head_before_blocks(
-    layers: list[LayerProfile], layout: RankLayout, half: bool, measured: bool, freed: float
+def _offload(
+    layout: RankLayout, r: _Rank, held: dict[str, float], moments: list[tuple[dict, str]]
 ) -> float:
-    """With activation checkpointing, the layers after the blocks (the head) free their saved
-    activations in their backward, before the first block is rebuilt: the two are not alive
-    at once, and the smaller is left out (FSDP's ``gathered`` term already leaves the head's
-    out of its units' moment)."""
-    if not layout.config.activation_checkpointing or layout.kind == "fsdp":
-        return 0.0
-    blocks = [x for x in layers if x.block]
-    sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
-    tp = layout.dims.tp
-    rebuilt = max((_saved(x, tp, sequence, half, measured) for x in blocks), default=0.0)
-    return min(freed, rebuilt * layout.micro_samples)
-
-
-def _saved_after_blocks(
-    layers: list[LayerProfile], layout: RankLayout, half: bool, measured: bool
-) -> float:
-    """Saved activations of the layers after the last block (a final norm, the head), which
-    their backward frees before the blocks' backward begins."""
-    last = max((i for i, layer in enumerate(layers) if layer.block), default=len(layers) - 1)
-    sequence = bool(layout.config.tensor and layout.config.tensor.sequence_parallel)
-    tail = layers[last + 1 :]
-    saved = sum(_saved(x, layout.dims.tp, sequence, half, measured) for x in tail)
-    return saved * layout.samples_in_flight
+    """FSDP's ``cpu_offload``: the host keeps the shards and steps them; on the device the
+    gradient shards come only after the peak (a pipeline's whole accumulated gradients stay
+    on the device). The bytes the host holds; the moments lose them."""
+    offloaded = held["params"] + r.trained * r.b / layout.param_shards + held["optimizer"]
+    for moment, phase in moments:
+        if phase == "step":
+            moment.clear()
+            continue
+        moment.update(params=0.0, optimizer=0.0)
+        if layout.dims.pp == 1:
+            moment["grads"] = 0.0
+    return offloaded
 
 
 def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) -> float:
@@ -316,17 +335,6 @@ def _pipeline(profile: ModelProfile, layout: RankLayout, weight_grads: float) ->
         if last < len(profile.layers) - 1 and profile.carries_gradient(last):  # gradients back
             received += profile.layers[last].output_bytes * samples
     return received + weight_grads
-
-
-def _largest(layers: list[LayerProfile], layout: RankLayout) -> float:
-    """Elements of the largest trainable tensor the rank's data parallelism handles (with
-    expert parallelism, the experts' are not among them), tensor-parallel ones split."""
-    tp, ep = layout.dims.tp, layout.dims.ep
-    return max(
-        ((x.largest_dense_param if ep > 1 else x.largest_param) / (tp if x.tp_params else 1)
-         for x in layers),
-        default=0.0,
-    )  # fmt: skip
 
 
 def _grads(layout: RankLayout, trained_bytes: float, *, in_backward: bool) -> float:
@@ -355,105 +363,5 @@ def _returned_grads(layers: list[LayerProfile], layout: RankLayout, b: int) -> f
     accumulated ones: autograd adds each as it comes (the largest tensor's at most), FSDP
     unit by unit (the largest unit's)."""
     if layout.kind != "fsdp":
-        return _largest(layers, layout) * b
-    return max(t for _, t in _units(layers, layout, layout.dims.tp, ())) * b
-
-
-def _units(
-    layers: list[LayerProfile], layout: RankLayout, tp: int, inner: tuple[tuple[int, int], ...]
-) -> list[tuple[float, float]]:
-    """(parameters, trainable parameters) of each FSDP unit (``parallel.fsdp``): the blocks
-    and the rest; each layer of a pipeline stage or of an ``nn.Sequential`` without blocks;
-    for a model profiled whole, the entries of its ``nn.ModuleList`` s (``inner``) and the
-    rest. Experts stay outside, sharded on their own axis."""
-
-    def own(layer: LayerProfile) -> float:
-        return layout.experts([layer])
-
-    def whole(group: list[LayerProfile]) -> tuple[float, float]:
-        return (sum(x.local_params(tp) - own(x) for x in group),
-                sum(x.local_trainable(tp) - own(x) for x in group))  # fmt: skip
-
-    blocks = [layer for layer in layers if layer.block]
-    if len(layers) == 1 and inner and layout.dims.pp == 1:
-        params, trained = whole(layers)
-        scale = params / max(1, layers[0].params)  # (tensor parallelism's share)
-        units = [(p * scale, t * scale) for p, t in inner]
-        rest = (params - sum(p for p, _ in units), trained - sum(t for _, t in units))
-        return [*units, (max(0.0, rest[0]), max(0.0, rest[1]))]
-    if layout.dims.pp > 1 or not blocks:
-        return [whole([x]) for x in layers]
-    return [whole([x]) for x in blocks] + [whole([x for x in layers if not x.block])]
-
-
-def _fsdp_layer_moments(
-    layers: list[LayerProfile],
-    layout: RankLayout,
-    in_backward: dict[str, float],
-    b: int,
-    *,
-    half: bool,
-    autocast: bool,
-) -> list[dict[str, float]]:
-    """FSDP on a model sharded layer by layer (an ``nn.Sequential`` without blocks): its
-    moment in backward is at the largest layer (the first of the largest, in forward
-    order), not at the start: the layers up to it hold saved activations, the gradients it
-    passes back are alive, two layers are whole (it and the prefetched one) with its
-    gradients, and the layers after it have reduce-scattered theirs into shards. The start
-    of backward has all the activations and the backward working set, and the last two
-    layers whole, no gradient yet. Models with blocks keep ``in_backward`` (the start of the
-    blocks' backward)."""
-    if layout.kind != "fsdp" or layout.dims.pp > 1 or layout.param_shards == 1:
-        return [in_backward]
-    if any(x.block for x in layers) or len(layers) < 2:
-        return [in_backward]
-    params = [x.local_params(layout.dims.tp) for x in layers]
-    trained = [x.local_trainable(layout.dims.tp) for x in layers]
-    i = max(range(len(layers)), key=lambda k: (params[k], -k))
-    outputs = [0.0] + [x.output_bytes for x in layers]
-    at_largest = {
-        **in_backward,
-        "activations": _activations(layers[: i + 1], layout, half, measured=autocast),
-        "backward": (outputs[i] + outputs[i + 1]) * layout.micro_samples,
-        "grads": sum(trained[i + 1 :]) * b / layout.param_shards,
-    }
-    whole = [p for p in params if p]
-    start = {**in_backward, "gathered": sum(whole[-2:]) * b}
-    return [at_largest, start]
-
-
-def _gathered_after_forward(
-    layers: list[LayerProfile], layout: RankLayout, b: int, profile: ModelProfile
-) -> float:
-    """FSDP at the end of forward, where a model that computes its own loss peaks: no
-    gradient yet; the root unit whole (FSDP2 never reshards it after forward: backward needs
-    it first) and one unit more (the last to run, or the first of backward gathered
-    early). Without resharding after forward, every unit whole."""
-    units = [p for p, _ in _units(layers, layout, layout.dims.tp, profile.fsdp_units)]
-    if layout.param_shards == 1:
-        return 0.0
-    if not layout.config.fsdp or not layout.config.fsdp.reshard_after_forward:
-        return sum(units) * b
-    return (units[-1] + max(units[:-1], default=0.0)) * b
-
-
-def _gathered(
-    layers: list[LayerProfile],
-    layout: RankLayout,
-    b: int,
-    inner: tuple[tuple[int, int], ...],
-    *,
-    freed: float,
-) -> float:
-    if layout.kind != "fsdp" or layout.param_shards == 1:
-        return 0.0
-    assert layout.config.fsdp is not None
-    units = _units(layers, layout, layout.dims.tp, inner)
-    if layout.dims.pp > 1:  # every unit stays whole after its backward until the last one's
-        return sum(p for p, _ in units) * b
-    whole = sorted(p for p, _ in units)  # whole copies, beside the shards
-    if not layout.config.fsdp.reshard_after_forward:  # all whole since the forward
-        return (sum(whole) + max(t for _, t in units)) * b
-    # gathered again in backward: the unit running and the prefetched next, once the layers
-    # after the blocks have freed their saved activations (the peak is the larger moment)
-    return max(0.0, (sum(whole[-2:]) + max(t for _, t in units)) * b - freed)
+        return largest_tensor(layers, layout) * b
+    return max(t for _, t in fsdp_units(layers, layout, layout.dims.tp, ())) * b

@@ -62,7 +62,9 @@ class _Record:
         "async_op", "end", "failed", "group", "kind", "nbytes", "peer", "seq", "start", "thread"
     )  # fmt: skip
 
-    def __init__(self, kind: str, seq: int, group: Any, nbytes: int, peer: int | None) -> None:
+    def __init__(
+        self, kind: str, seq: int, group: Any, nbytes: int | None, peer: int | None
+    ) -> None:
         self.kind, self.seq, self.group, self.nbytes, self.peer = kind, seq, group, nbytes, peer
         self.start = time.monotonic()
         self.end: float | None = None
@@ -225,7 +227,8 @@ class _TimedWork:
     """A ``Work`` whose ``wait()`` also reports the collective as done."""
 
     def __init__(self, work: Any, done: Callable[[], None]) -> None:
-        self._work, self._done = work, done
+        self._work = work
+        self._done: Callable[[], None] | None = done
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
         result = self._work.wait(*args, **kwargs)

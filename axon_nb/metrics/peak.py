@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,6 +58,11 @@ def _resize(storage: torch.UntypedStorage, size: int) -> Any:
     for tracker in list(_ACTIVE):
         tracker._resized(storage, before)
     return result
+
+
+def _use_resize(resize: Callable[..., Any]) -> None:
+    """Make ``resize`` every storage's ``resize_``: :func:`_resize`, or torch's own again."""
+    torch.UntypedStorage.resize_ = resize  # type: ignore[method-assign]  # (a monkeypatch)
 
 
 def mark_phase(phase: str) -> None:
@@ -133,7 +138,7 @@ class PeakTracker(TorchDispatchMode):
     def __enter__(self) -> PeakTracker:
         with _LOCK:
             if not _ACTIVE:
-                torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
+                _use_resize(_resize)
             _ACTIVE.append(self)
         return super().__enter__()
 
@@ -142,7 +147,7 @@ class PeakTracker(TorchDispatchMode):
         with _LOCK:
             _ACTIVE.remove(self)
             if not _ACTIVE:
-                torch.UntypedStorage.resize_ = _RESIZE  # type: ignore[method-assign]
+                _use_resize(_RESIZE)
         super().__exit__(*exc)
 
     def close(self) -> None:

@@ -115,7 +115,9 @@ class GPT(nn.Module):
             return logits
         loss = lm_loss(logits, targets)
         if self.config.experts and self.config.aux_loss_coef:
-            aux = sum(b.mlp.aux_loss for b in self.blocks)  # type: ignore[union-attr]
+            # (by module, not block: activation checkpointing may have wrapped the blocks)
+            moes = [m for m in self.modules() if isinstance(m, MoE)]
+            aux = sum(m.aux_loss for m in moes if m.aux_loss is not None)
             loss = loss + self.config.aux_loss_coef * aux / len(self.blocks)
         return loss
 

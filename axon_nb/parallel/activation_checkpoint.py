@@ -7,9 +7,10 @@ from torch import nn
 WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
-def blocks(model: nn.Module) -> list[tuple[nn.Module, int]]:
+def blocks(model: nn.Module) -> list[tuple[nn.ModuleList | nn.Sequential, int]]:
     """``(container, index)`` of every block: the entries of each ``nn.ModuleList`` (a
     transformer's blocks), or an ``nn.Sequential``'s children when there is no list."""
+    lists: list[nn.ModuleList | nn.Sequential]
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
     if not lists and isinstance(model, nn.Sequential):
         lists = [model]

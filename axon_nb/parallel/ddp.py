@@ -86,7 +86,7 @@ def _hook(config: DDPConfig, group: Any, backend: str) -> tuple[Any, Any]:
     return group, hooks[config.comm_hook]
 
 
-def _bf16_hook(process_group, bucket):  # type: ignore[no-untyped-def]
+def _bf16_hook(process_group, bucket):
     """PyTorch's ``bf16_compress_hook`` under another name, for gloo.
 
     (Unannotated on purpose: DDP compares a hook's annotations with ``dist.GradBucket``.)

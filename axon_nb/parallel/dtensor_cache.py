@@ -31,7 +31,7 @@ def forget_cached_meshes() -> None:
     from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
 
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()  # type: ignore[attr-defined]
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     # Each of these exists only in some PyTorch releases (the pin is 2.13; `torch>=2.6` runs).
     for clear in (
         getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),

@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from torch import nn
 from axon_nb.models.moe import by_expert, combine
 from axon_nb.parallel.expert_plan import expert_modules
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 # PyTorch 2.13 deprecates this module's all_to_all_single for the functional collectives',
 # whose backward runs in C++, out of the communication meter's sight (it measures the
 # Python calls): kept, without the warning on every rank.
@@ -49,13 +52,15 @@ warnings.filterwarnings(
 )
 
 
-class ExpertDispatch:
-    """Mixed into an experts module's class by :func:`apply_ep`: its forward dispatches tokens
-    to the ranks that keep their experts and runs the original forward on the local ones."""
+class ExpertDispatch(nn.Module):
+    """Put in front of an experts module's class by :func:`apply_ep`: its forward dispatches
+    tokens to the ranks that keep their experts and runs the original forward on the local
+    ones."""
 
     ep_group: Any
     num_experts: int
-    training: bool
+    routed: torch.Tensor | None
+    """Tokens routed to each expert since ``take_routed_tokens`` last read them."""
 
     def forward(
         self, tokens: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -76,8 +81,8 @@ class ExpertDispatch:
         )
         expert = torch.arange(local, device=counts.device).repeat(ep)
         expert = expert.repeat_interleave(received.to(counts.device))
-        with _local_weights(self):  # type: ignore[arg-type]
-            outbound = super().forward(  # type: ignore[misc]
+        with _local_weights(self):
+            outbound = super().forward(
                 inbound, expert[:, None], torch.ones_like(expert, dtype=tokens.dtype)[:, None]
             )
         back = dist_fn.all_to_all_single(
@@ -99,8 +104,8 @@ def apply_ep(model: nn.Module, ep_mesh: Any, plan: Sequence[str] | None) -> list
             module.register_parameter(
                 name, nn.Parameter(sharded, requires_grad=param.requires_grad)
             )
-        module.num_experts //= ep  # type: ignore[operator]
-        module.ep_group = ep_mesh.get_group()  # type: ignore[assignment]
+        module.num_experts //= ep
+        module.ep_group = ep_mesh.get_group()
         module.__class__ = _dispatching(type(module))
     return list(found.values())
 
@@ -108,12 +113,12 @@ def apply_ep(model: nn.Module, ep_mesh: Any, plan: Sequence[str] | None) -> list
 def take_routed_tokens(model: nn.Module) -> list[int] | None:
     """Tokens this rank routed to each expert (global index) since the last call, summed
     over the MoE layers; None without dispatching experts. Resets the counts."""
-    total = None
+    total: torch.Tensor | None = None
     for module in model.modules():
         routed = getattr(module, "routed", None) if isinstance(module, ExpertDispatch) else None
-        if routed is not None:
+        if isinstance(module, ExpertDispatch) and routed is not None:
             total = routed if total is None else total + routed
-            module.routed = None  # type: ignore[attr-defined]
+            module.routed = None
     return None if total is None else [int(n) for n in total.tolist()]
 
 
@@ -123,7 +128,7 @@ def reduce_expert_grads(params: Sequence[torch.Tensor], edp_group: Any, data_ran
     for p in params:
         if p.grad is None and p.requires_grad:  # local experts no token reached this step
             p.grad = torch.zeros_like(p)  # (as in one process: the stacked weight has one)
-    grads = [p.grad.to_local() for p in params if p.grad is not None]  # type: ignore[union-attr]
+    grads = [cast("DTensor", p.grad).to_local() for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -155,7 +160,7 @@ def _local_weights(module: nn.Module) -> Iterator[None]:
     saved = dict(module._parameters)
     for name, param in saved.items():
         if isinstance(param, DTensor):
-            module._parameters[name] = param.to_local()  # type: ignore[assignment]
+            module._parameters[name] = param.to_local()
     try:
         yield
     finally:

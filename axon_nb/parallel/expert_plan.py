@@ -99,7 +99,8 @@ def stacked_experts(module: nn.Module) -> bool:
 
 
 def _checked(found: dict[str, nn.Module], ep: int) -> dict[str, nn.Module]:
-    uneven = {n: m.num_experts for n, m in found.items() if m.num_experts % ep}
+    sizes = {n: int(getattr(m, "num_experts", 0)) for n, m in found.items()}  # (stacked)
+    uneven = {n: size for n, size in sizes.items() if size % ep}
     if uneven:
         counts = sorted(set(uneven.values()))
         raise ValueError(
@@ -113,7 +114,8 @@ def _checked(found: dict[str, nn.Module], ep: int) -> dict[str, nn.Module]:
 def _model_plan(model: nn.Module) -> list[str] | None:
     """The patterns of a transformers model's ``base_model_ep_plan`` that dispatch tokens,
     under its ``base_model_prefix``; None when it has no plan."""
-    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get_base_model = getattr(model, "get_base_model", None)
+    inner = get_base_model() if callable(get_base_model) else model
     base = getattr(getattr(inner, "config", None), "base_model_ep_plan", None)
     if not base:
         return None

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm_(
@@ -50,9 +53,9 @@ def _sharded_groups(tensor: torch.Tensor) -> tuple[Any, ...]:
     """Process groups of the mesh axes a DTensor is sharded on (empty for a plain tensor)."""
     if not hasattr(tensor, "placements"):
         return ()
-    mesh = tensor.device_mesh  # type: ignore[attr-defined]
+    sharded = cast("DTensor", tensor)
     return tuple(
-        mesh.get_group(axis)
-        for axis, placement in enumerate(tensor.placements)  # type: ignore[attr-defined]
+        sharded.device_mesh.get_group(axis)
+        for axis, placement in enumerate(sharded.placements)
         if placement.is_shard()
     )

@@ -16,7 +16,9 @@ reads only its shards; before DDP or ZeRO wrap one, since they broadcast and buc
 tensors.
 
 The result, :class:`ParallelModel`, answers everything the training loop and checkpoints ask
-of a layout (no_sync, the optimizer, clipping, full and sharded state), in one place.
+of a layout (no_sync, the optimizer, clipping, full and sharded state): its data-parallel
+:class:`~axon_nb.parallel.layouts.Layout`, chosen once here, holds what differs between
+DDP, ZeRO-1, ZeRO-2, FSDP and none (and a pipeline's layout wraps its stages').
 
 Example::
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,23 +40,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from axon_nb.parallel import pipeline, zero1
-from axon_nb.parallel.activation_checkpoint import (
-    apply_activation_checkpointing,
-    canonical_name,
-    parameter_names,
-)
+from axon_nb.parallel import pipeline
+from axon_nb.parallel.activation_checkpoint import apply_activation_checkpointing, parameter_names
 from axon_nb.parallel.compile import apply_compile
-from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
 from axon_nb.parallel.dtensor_cache import forget_cached_meshes
 from axon_nb.parallel.expert import apply_ep, reduce_expert_grads, take_routed_tokens
-from axon_nb.parallel.fsdp import apply_fsdp
-from axon_nb.parallel.grads import clip_grad_norm_
 from axon_nb.parallel.group_ledger import recording
-from axon_nb.parallel.param_groups import GroupPlan, check_built, check_settings, plan_groups
+from axon_nb.parallel.layouts import Layout, PipelinedLayout, Site, layout_for
+from axon_nb.parallel.optimizer_factory import OptimizerFactory
+from axon_nb.parallel.param_groups import GroupPlan, check_settings, plan_groups
 from axon_nb.parallel.pipeline import PipelinedModel
 from axon_nb.parallel.tensor import apply_tp
-from axon_nb.parallel.zero2 import GradShardedModel
 from axon_nb.spec.parallel_config import (
     ExpertConfig,
     ParallelConfig,
@@ -95,7 +91,8 @@ def _parallelize(
 ) -> ParallelModel:
     groups = groups if groups is not None else plan_groups(model)
     forget_cached_meshes()  # (DTensor's caches would hand this layout an earlier one's mesh)
-    mesh = dims.mesh(device.type) if dist.is_initialized() else None
+    # (None without a process group: every degree is 1 then)
+    mesh: Any = dims.mesh(device.type) if dist.is_initialized() else None
     dp_group = dims.dp_mesh(device.type).get_group() if mesh is not None else None
     coords = dims.coords(dist.get_rank() if dist.is_initialized() else 0)
     piped = dims.pp > 1
@@ -117,10 +114,9 @@ def _parallelize(
         apply_compile(model)
     # (the layers are read again: checkpointing and compiling may have wrapped them)
     parts = pipeline.cut_stages(model, bounds, mine, split) if piped else [model]
-    parts = [
-        _data_parallel(part, dims, config, mesh, dp_group, device, groups, materialize, experts)
-        for part in parts
-    ]
+    layout = layout_for(config)
+    site = Site(dims, mesh, dp_group, device, groups, frozenset(id(p) for p in experts))
+    parts = [_data_parallel(part, layout, site, materialize) for part in parts]
     if experts:  # (a pipeline keeps this rank's stages: its experts are those in them)
         ids = {id(p) for p in experts}
         experts = [p for part in parts for p in part.parameters() if id(p) in ids]
@@ -136,6 +132,8 @@ def _parallelize(
         )
     else:
         trained = parts[0]
+    # (a pipeline's stages synchronise through its schedule; their state is gathered apart)
+    layout = PipelinedLayout(layout) if piped else layout
     return ParallelModel(
         model=trained,
         root=model,
@@ -144,6 +142,7 @@ def _parallelize(
         mesh=mesh,
         dp_group=dp_group,
         groups=groups,
+        layout=layout,
         experts=experts,
         edp_group=dims.edp_mesh(device.type).get_group() if experts else None,
     )
@@ -151,64 +150,25 @@ def _parallelize(
 
 def _data_parallel(
     part: nn.Module,
-    dims: ParallelDims,
-    config: ParallelConfig,
-    mesh: Any,
-    dp_group: Any,
-    device: torch.device,
-    groups: GroupPlan,
-    materialize: Callable[[nn.Module], None] | None = None,
-    experts: list[nn.Parameter] | None = None,
+    layout: Layout,
+    site: Site,
+    materialize: Callable[[nn.Module], None] | None,
 ) -> nn.Module:
     """Step 5: ``part`` replicated or sharded over the data-parallel ranks (and its meta
     parameters made real by ``materialize``: before replication, after sharding), but for
-    its ``experts`` parameters."""
-    sharded = config.data_parallel == "fsdp"
-    if materialize is not None and not sharded:
+    the experts' parameters."""
+    if materialize is not None and not layout.shards:
         materialize(part)
-    part = _replicate_or_shard(part, dims, config, mesh, dp_group, device, groups, experts or [])
-    if materialize is not None and sharded:
+    part = layout.wrap(part, site)
+    if materialize is not None and layout.shards:
         materialize(part)
-    return part
-
-
-def _replicate_or_shard(
-    part: nn.Module,
-    dims: ParallelDims,
-    config: ParallelConfig,
-    mesh: Any,
-    dp_group: Any,
-    device: torch.device,
-    groups: GroupPlan,
-    experts: list[nn.Parameter],
-) -> nn.Module:
-    kind = config.data_parallel
-    mine = {id(p) for p in experts}
-    if kind in ("ddp", "zero1"):
-        assert config.ddp is not None
-        local_sgd = config.local_sgd if kind == "ddp" else None
-        ignored = [n for n, p in part.named_parameters() if id(p) in mine]
-        return apply_ddp(part, dp_group, device, config.ddp, local_sgd, ignored)
-    if kind == "zero2":
-        by_group = [g["params"] for g in groups.groups(part.named_parameters())]
-        return GradShardedModel(
-            part, dp_group, bucket_cap_mb=config.bucket_cap_mb, param_groups=by_group
-        )
-    if kind == "fsdp":
-        assert config.fsdp is not None
-        # Hybrid sharding: shard within dp_shard, replicate across dp_replicate (2-D mesh).
-        replicated = dims.dp_replicate > 1
-        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicated else mesh["dp_shard"]
-        if dims.ep > 1:  # the experts' ranks read different data: all of dp shards the rest
-            fsdp_mesh = dims.dp_mesh(device.type)
-        ignored = {p for p in part.parameters() if id(p) in mine}
-        return apply_fsdp(part, fsdp_mesh, config.fsdp, ignored)
     return part
 
 
 @dataclass(eq=False)
 class ParallelModel:
-    """A model as ``parallelize`` laid it out on this rank, and what training asks of it."""
+    """A model as ``parallelize`` laid it out on this rank, and what training asks of it
+    (answered by its :class:`~axon_nb.parallel.layouts.Layout`)."""
 
     model: nn.Module
     """What the loop trains: the user's module, DDP, FSDP-sharded, ZeRO-2 or pipelined."""
@@ -222,6 +182,8 @@ class ParallelModel:
     """The process group of this rank's data-parallel ranks (None without a process group)."""
     groups: GroupPlan
     """The optimizer's parameter groups, by parameter name (trainable parameters only)."""
+    layout: Layout = dataclasses.field(default_factory=Layout)
+    """How the data-parallel ranks hold the model (a pipeline's: how they hold its stages)."""
     experts: list[nn.Parameter] = dataclasses.field(default_factory=list)
     """Expert parallelism's sharded expert weights (their gradients are reduced apart)."""
     edp_group: Any = None
@@ -234,22 +196,17 @@ class ParallelModel:
 
     @property
     def data_parallel(self) -> str:
+        """``ParallelConfig.data_parallel``: ``"none"``, ``"ddp"``, ``"fsdp"``, ``"zero1"``
+        or ``"zero2"``."""
         return self.config.data_parallel
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Context for micro-steps whose gradients are only accumulated locally."""
-        if self.pipeline is not None:
-            return contextlib.nullcontext()  # stages synchronise through their schedule
-        if self.data_parallel in ("ddp", "zero1", "zero2"):
-            return self.model.no_sync()  # type: ignore[operator,return-value]
-        if self.data_parallel == "fsdp":
-            return _without_gradient_sync(self.model)
-        return contextlib.nullcontext()
+        return self.layout.no_sync(self)
 
     def finish_backward(self) -> None:
         """After a step's last backward: wait for gradient reductions still in flight."""
-        if isinstance(self.model, GradShardedModel):
-            self.model.finish_backward()
+        self.layout.finish_backward(self)
 
     def reduce_expert_grads(self) -> None:
         """After a step's backward (every layout, pipelines too): the experts' gradients
@@ -260,35 +217,17 @@ class ParallelModel:
     def build_optimizer(self, factory: OptimizerFactory) -> torch.optim.Optimizer:
         """The optimizer over this rank's trainable parameters in the run's groups (sharded
         for ZeRO-1 and ZeRO-2), by name or by the user's callable, which must keep them."""
-        if isinstance(self.model, GradShardedModel):
-            optimizer = self.model.build_optimizer(factory, self.groups.options)
-        elif self.data_parallel == "zero1":
-            optimizer = zero1.build_optimizer(self._param_groups(), factory, self.dp_group)
-        else:
-            groups = self._param_groups()
-            optimizer = factory(groups)
-            if factory.cls is None:
-                check_built(optimizer, groups, keep_groups=False)
-            if self.config.local_sgd is not None and self.data_parallel == "ddp":
-                optimizer = local_sgd_optimizer(optimizer, self.dp_group, self.config.local_sgd)
+        optimizer = self.layout.build_optimizer(self, factory)
         check_settings(self.groups, optimizer)
         return optimizer
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clip the norm of the whole model's gradients, wherever their pieces are."""
-        if isinstance(self.model, GradShardedModel):
-            return clip_grad_norm_(self.model.shards(), max_norm, group=self.dp_group)
-        group = self.pipeline.group if self.pipeline is not None else None
-        return clip_grad_norm_(self.model.parameters(), max_norm, group=group)
+        return self.layout.clip_grad_norm(self, max_norm)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's state dict with the user's names, on every rank (a collective)."""
-        if self.pipeline is not None:
-            return pipeline.gather_state(self.pipeline)
-        return {
-            canonical_name(k): v.full_tensor() if hasattr(v, "full_tensor") else v
-            for k, v in self.root.state_dict().items()
-        }
+        return self.layout.full_state_dict(self)
 
     def get_state(
         self, optimizer: torch.optim.Optimizer, *, full: bool, every_rank: bool = False
@@ -302,126 +241,29 @@ class ParallelModel:
         any number of ranks and any cut. ``every_rank=True`` (with ``full``): every rank gets
         the complete copy, on the CPU (a layout change in memory loads it on every rank).
         """
-        if self.pipeline is not None:
-            return {
-                "model": pipeline.gather_state(self.pipeline),
-                "optimizer": pipeline.gather_optimizer_state(self.pipeline, optimizer),
-            }
-        if self.data_parallel in ("zero1", "zero2"):
-            model_state = {canonical_name(k): v.detach() for k, v in self.root.state_dict().items()}
-            if full:
-                model_state = {k: v.cpu().clone() for k, v in model_state.items()}
-            return {"model": model_state, "optimizer": self._zero_optimizer_state(optimizer)}
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        offload = full and not every_rank  # (offloading keeps the full copy on rank 0 only)
-        options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
-        model_state, optim_state = get_state_dict(self.model, optimizer, options=options)
-        if full and every_rank:
-            model_state, optim_state = _on_cpu(model_state), _on_cpu(optim_state)
-        return {"model": model_state, "optimizer": optim_state}
+        return self.layout.get_state(self, optimizer, full=full, every_rank=every_rank)
 
     def set_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """Load what :meth:`get_state` returned (full, or loaded shards); an ``"optimizer"`` of
         None leaves the optimizer as it is."""
-        if self.pipeline is not None:
-            pipeline.load_full_state(self.pipeline, optimizer, state)
-            return
-        if self.data_parallel in ("zero1", "zero2"):
-            with torch.no_grad():
-                own = self.root.state_dict(keep_vars=True)
-                for name, tensor in own.items():  # into the (bucket) storage, in place
-                    tensor.copy_(state["model"][canonical_name(name)])
-            if state["optimizer"] is not None:
-                self._load_zero_optimizer_state(optimizer, state["optimizer"])
-            return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        sharded = any(hasattr(v, "device_mesh") for v in state["model"].values())
-        options = StateDictOptions(full_state_dict=not sharded)
-        set_model_state_dict(self.model, state["model"], options=options)
-        if state["optimizer"] is not None:
-            set_optimizer_state_dict(self.model, optimizer, state["optimizer"], options=options)
+        self.layout.set_state(self, optimizer, state)
 
     def report(self) -> dict[str, Any]:
         """Layout-specific figures of this step for the metrics stream: pipeline timing, and
         with expert parallelism ``expert_tokens``, the tokens this rank routed to each expert."""
-        figures = dict(self.pipeline.last_step) if self.pipeline is not None else {}
+        figures: dict[str, Any] = {}
+        if self.pipeline is not None:
+            figures.update(self.pipeline.last_step)
         if self.experts:
             figures["expert_tokens"] = take_routed_tokens(self.root)
         return figures
 
-    def _param_groups(self) -> list[dict[str, Any]]:
+    def param_groups(self) -> list[dict[str, Any]]:
         """The run's parameter groups over the parameters this rank trains."""
         names = parameter_names(self.root)
         return self.groups.groups((names[id(p)], p) for p in self.model.parameters())
 
-    def _group_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    def group_names(self, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+        """The names of the parameters of each of ``optimizer``'s groups."""
         names = parameter_names(self.root)
         return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-
-    def _zero_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        if isinstance(self.model, GradShardedModel):
-            return self.model.full_optimizer_state(optimizer, parameter_names(self.root))
-        names = [n for group in self._group_names(optimizer) for n in group]
-        return zero1.full_optimizer_state(optimizer, names, self.dp_group)  # type: ignore[arg-type]
-
-    def _load_zero_optimizer_state(
-        self, optimizer: torch.optim.Optimizer, named: dict[str, Any]
-    ) -> None:
-        if isinstance(self.model, GradShardedModel):
-            self.model.load_full_optimizer_state(optimizer, named, parameter_names(self.root))
-            return
-        zero1.load_optimizer_state(optimizer, named, self._group_names(optimizer))  # type: ignore[arg-type]
-
-
-class OptimizerFactory:
-    """Builds a run's optimizer over parameter groups; ``cls`` and ``kwargs`` are known for
-    named optimizers, None and empty for a user's callable (``make``), which gets a plain
-    list of parameters when there is one group with no settings of its own, else the groups.
-
-    Example::
-
-        OptimizerFactory(torch.optim.AdamW, {"lr": 1e-3})([{"params": list(model.parameters())}])
-    """
-
-    def __init__(
-        self,
-        cls: type[torch.optim.Optimizer] | None = None,
-        kwargs: dict[str, Any] | None = None,
-        make: Callable[[Any], torch.optim.Optimizer] | None = None,
-    ) -> None:
-        self.cls = cls
-        self.kwargs = dict(kwargs or {})
-        self._make = make
-
-    def __call__(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        if self._make is not None:
-            plain = len(groups) == 1 and set(groups[0]) == {"params"} and groups[0]["params"]
-            return self._make(list(groups[0]["params"]) if plain else groups)
-        assert self.cls is not None
-        return self.cls(groups, **self.kwargs)
-
-
-@contextlib.contextmanager
-def _without_gradient_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
-
-
-def _on_cpu(state: Any) -> Any:
-    """``state`` (nested dicts and lists of tensors) with every tensor on the CPU."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {k: _on_cpu(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_on_cpu(v) for v in state]
-    return state

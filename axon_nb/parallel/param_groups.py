@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from axon_nb.parallel.activation_checkpoint import canonical_name
-from axon_nb.spec.train_spec import group_options_problem
+from axon_nb.spec.validation import group_options_problem
 
 Rule = Callable[[str, nn.Parameter], Mapping[str, Any] | None]
 

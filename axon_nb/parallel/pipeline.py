@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,9 @@ class PipelinedModel(nn.Module):
                                group=pp_group)
         loss = piped.step(microbatches, micro)
     """
+
+    root: nn.Module
+    """The whole model (not a submodule: its other ranks' stages are on the meta device)."""
 
     def __init__(
         self,
@@ -218,8 +221,8 @@ class PipelinedModel(nn.Module):
         options: dict[str, Any] = dict(
             n_microbatches=self.microbatches, loss_fn=self._scaled_loss, scale_grads=False
         )
-        if name == "interleaved_1f1b":
-            return ScheduleInterleaved1F1B(stages, **options)
+        if name == "interleaved_1f1b":  # (a new list: it takes one of their base class)
+            return ScheduleInterleaved1F1B([*stages], **options)
         cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
         return cls(stages[0], **options)
 
@@ -254,8 +257,12 @@ def mapping_pair(batch: Mapping[str, Any], input_key: str, own_loss: bool) -> tu
             "(e.g. with remove_columns, or a collate_fn)"
         )
     mask = batch.get("attention_mask")
-    left = isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > 1
-    if left and bool((mask[:, 1:] > mask[:, :-1]).any()):
+    left = (  # (a 1 after a 0 in a row: padding on the left)
+        isinstance(mask, torch.Tensor)
+        and mask.dim() == 2
+        and bool((mask[:, 1:] > mask[:, :-1]).any())
+    )
+    if left:
         raise ValueError(
             "a pipeline passes no attention mask between stages, so padding must come "
             "after the tokens: set tokenizer.padding_side = 'right' (padded labels -100)"
@@ -293,8 +300,8 @@ def _time_stage(stage: PipelineStage, model: PipelinedModel) -> None:
 
         return run
 
-    stage.forward_one_chunk = timed(stage.forward_one_chunk, "forward_s")  # type: ignore[method-assign]
-    stage.backward_one_chunk = timed(stage.backward_one_chunk, "backward_s")  # type: ignore[method-assign]
+    for method, kind in (("forward_one_chunk", "forward_s"), ("backward_one_chunk", "backward_s")):
+        setattr(stage, method, timed(getattr(stage, method), kind))  # (in place: the schedule's)
 
 
 def owned_state(model: PipelinedModel) -> dict[str, torch.Tensor]:
@@ -385,10 +392,11 @@ def _is_per_element(param: torch.Tensor, value: Any) -> bool:
 def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """``full`` laid out like ``param``: sharded the same way when ``param`` is a DTensor."""
     if hasattr(param, "device_mesh"):
-        from torch.distributed.tensor import distribute_tensor
+        from torch.distributed.tensor import DTensor, distribute_tensor
 
-        local = param.to_local()  # type: ignore[attr-defined]
+        sharded = cast(DTensor, param)
+        local = sharded.to_local()
         return distribute_tensor(
-            full.to(local.device, local.dtype), param.device_mesh, param.placements
+            full.to(local.device, local.dtype), sharded.device_mesh, sharded.placements
         )
     return full.to(param.device, param.dtype)

@@ -20,13 +20,16 @@ found by class name.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from torch import nn
 
 from axon_nb.parallel.module_patterns import matching
 from axon_nb.spec.parallel_config import TP_STYLES as STYLES
 from axon_nb.spec.parallel_config import TensorConfig
+
+if TYPE_CHECKING:
+    from axon_nb.models.gpt import GPT
 
 
 class ColumnParallelLinear(nn.Linear):
@@ -62,7 +65,7 @@ def default_plan(model: nn.Module) -> dict[str, str]:
             "blocks.*.attn.v": "colwise",
             "blocks.*.attn.out": "rowwise",
         }
-        if not model.config.experts:  # type: ignore[union-attr]  # (experts: ExpertParallel's)
+        if not model.config.experts:  # (experts: ExpertParallel's)
             plan.update({"blocks.*.mlp.up": "colwise", "blocks.*.mlp.down": "rowwise"})
         return plan
     raise ValueError(
@@ -75,7 +78,8 @@ def default_plan(model: nn.Module) -> dict[str, str]:
 def model_plan(model: nn.Module) -> dict[str, Any]:
     """The plan a model carries (``plan="auto"``): a transformers model's ``_tp_plan``, else
     its config's ``base_model_tp_plan`` under its ``base_model_prefix``."""
-    inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    get_base_model = getattr(model, "get_base_model", None)
+    inner = get_base_model() if callable(get_base_model) else model
     plan = getattr(inner, "_tp_plan", None)
     if not plan:
         base = getattr(getattr(inner, "config", None), "base_model_tp_plan", None) or {}
@@ -144,8 +148,8 @@ def _misfit(name: str, module: nn.Module, style: Any, tp: int) -> str | None:
 def _head_problems(model: nn.Module, tp: int) -> list[str]:
     """Attention heads must split evenly: the reference GPT's, a transformers config's."""
     if _is_gpt(model):
-        config = model.config  # type: ignore[attr-defined]
-        return [f"n_head={config.n_head} is not divisible by tp={tp}"] if config.n_head % tp else []
+        n_head = model.config.n_head
+        return [f"n_head={n_head} is not divisible by tp={tp}"] if n_head % tp else []
     config = getattr(model, "config", None)
     problems = []
     for key in ("num_attention_heads", "num_key_value_heads"):
@@ -193,7 +197,8 @@ def apply_tp(
     ``config``'s plan (or the default plan); only modules named in ``owned``, when given (a
     pipeline rank's stages)."""
     given = config.plan or default_plan(model)
-    plan = resolve_plan(model, model_plan(model) if given == "auto" else given, mesh.size())
+    # (the one string a plan may be is "auto": TensorConfig checks)
+    plan = resolve_plan(model, model_plan(model) if isinstance(given, str) else given, mesh.size())
     if owned is not None:
         plan = {name: style for name, style in plan.items() if name in owned}
     return apply_tensor_parallel(model, mesh, plan, sequence_parallel=config.sequence_parallel)
@@ -212,8 +217,7 @@ def apply_tensor_parallel(
     )
 
     if not sequence_parallel:
-        styles = {n: parallel_style(s) for n, s in plan.items()}
-        return parallelize_module(model, mesh, styles)
+        return parallelize_module(model, mesh, {n: parallel_style(s) for n, s in plan.items()})
     prefix, blocks = transformer_blocks(model, plan)
     sequence = Shard(1)
     styles: dict[str, Any] = {}
@@ -279,7 +283,7 @@ def _gather_sequence(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tupl
     return args, kwargs
 
 
-def _is_gpt(model: nn.Module) -> bool:
+def _is_gpt(model: nn.Module) -> TypeGuard[GPT]:
     from axon_nb.models.gpt import GPT
 
     return isinstance(model, GPT)

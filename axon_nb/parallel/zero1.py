@@ -7,7 +7,7 @@ Only trainable parameters are handed to it: frozen ones get no state and are nev
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,10 @@ def build_optimizer(groups: list[dict[str, Any]], factory: Any, group: Any) -> A
         check_built(built, share, keep_groups=True)
         return built
 
-    zero = ZeroRedundancyOptimizer(groups, local, process_group=group)
+    # (it takes a class, and only calls it: a function that builds the optimizer does too)
+    zero = ZeroRedundancyOptimizer(
+        groups, cast(type[torch.optim.Optimizer], local), process_group=group
+    )
     # What the callable chose (lr, betas, ...) becomes the shared groups' settings too: the
     # scheduler and checkpoints read and set them there.
     for shared, own in zip(zero.param_groups, zero.optim.param_groups, strict=True):

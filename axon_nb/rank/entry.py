@@ -1,6 +1,6 @@
 """Every function the kernel sends to the ranks, in one list.
 
-The kernel calls these through ipyparallel (``view.apply_async(entry.train, ...)``); each
+The kernel calls these through ``Transport.send`` (``cluster.send(entry.train, ...)``); each
 imports what it runs only when it runs, on the rank, so importing this module (as the kernel
 does, to pickle references to these functions) imports no torch.
 
@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from axon_nb.spec.bootstrap_spec import BootstrapSpec
     from axon_nb.spec.checkpoint_format import SaveTarget
     from axon_nb.spec.placement import Probe, RankPlan
+    from axon_nb.spec.train_spec import TrainSpec
 
 
 # -- the one way in for work --------------------------------------------------------------
@@ -25,7 +26,10 @@ def call(packed: bytes) -> Any:
     pickled with cloudpickle so that functions defined in a notebook bring their globals."""
     import pickle
 
-    fn, args, kwargs = pickle.loads(packed)
+    from axon_nb.rank.world.interrupts import import_safe_interrupts
+
+    with import_safe_interrupts():  # (unpickling imports what the call's objects need)
+        fn, args, kwargs = pickle.loads(packed)
     try:
         return fn(*args, **kwargs)
     except BaseException as e:
@@ -119,15 +123,15 @@ def expert_layout_problem(factory: Any, plan: Any, ep: int) -> str | None:
     return factory_problem(factory, plan, ep)
 
 
-def train(spec_bytes: bytes, run_id: str) -> dict[str, Any]:
-    """Run a training spec (pickled) to the end; this rank's summary. A first Ctrl-C from
-    here on (imports and setup included) stops the run at a step boundary."""
+def train(spec: TrainSpec, run_id: str) -> dict[str, Any]:
+    """Run a training spec to the end; this rank's summary. A first Ctrl-C from here on
+    (imports and setup included) stops the run at a step boundary."""
     from axon_nb.rank.world.interrupts import StopSignal
 
     with StopSignal() as stop:
         from axon_nb.rank.training import loop
 
-        return loop.train_on_rank(spec_bytes, run_id, stop)
+        return loop.train_on_rank(spec, run_id, stop)
 
 
 def save_checkpoint(name: str, target: SaveTarget) -> int:
@@ -209,15 +213,12 @@ def drop_run(name: str) -> None:
     gc.collect()
 
 
-def copy_run(source: str, spec_bytes: bytes) -> int:
+def copy_run(source: str, spec: TrainSpec) -> int:
     """Lay out a copy of run ``source`` under the spec's strategy and name; its step
     (``compare(from_state=True)``)."""
-    import cloudpickle
-
     from axon_nb.rank import runtime
     from axon_nb.rank.training import relayout, trainstate
 
-    spec = cloudpickle.loads(spec_bytes)
     return relayout.copy_run(spec, runtime.context(), trainstate.get(source)).step
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import distributed
 
-NO_HTTP_ROUTES = {
+NO_HTTP_ROUTES: dict[str, list[str]] = {
     "distributed.scheduler.http.routes": [],
     "distributed.worker.http.routes": [],
 }

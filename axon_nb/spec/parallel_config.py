@@ -31,19 +31,20 @@ class DDPConfig:
     """``DistributedDataParallel`` over the data-parallel ranks (also ZeRO-1's gradients)."""
 
     bucket_cap_mb: float = 25.0
-    """Gradient bucket size in MiB."""
+    """Gradient bucket size in MiB (DDP's ``bucket_cap_mb``)."""
     find_unused_parameters: bool = False
-    """Allow parameters that get no gradient in some steps."""
+    """Allow parameters that get no gradient in some steps (costs a graph walk per step)."""
     static_graph: bool = False
-    """Promise the set of used parameters never changes."""
+    """Promise the set of used parameters never changes (enables DDP's static-graph tricks)."""
     comm_hook: str | None = None
-    """Gradient compression: None, ``"fp16"``, ``"bf16"`` or ``"powersgd"``."""
+    """Gradient compression: None (fp32 all-reduce), ``"fp16"``, ``"bf16"`` or ``"powersgd"``."""
     powersgd_rank: int = 1
-    """Rank of PowerSGD's low-rank approximation."""
+    """Rank of PowerSGD's low-rank approximation (higher is more accurate, more bytes)."""
     powersgd_start_step: int = 10
-    """Steps of plain all-reduce before PowerSGD starts compressing."""
+    """Steps of plain all-reduce before PowerSGD starts compressing (PowerSGD's warm start)."""
     gradient_as_bucket_view: bool = True
-    """Gradients are views into DDP's buckets (no second copy of them)."""
+    """Gradients are views into DDP's communication buckets, so they exist once, not twice
+    (DDP's ``gradient_as_bucket_view``); ``False`` keeps a separate copy."""
 
     def problems(self) -> list[str]:
         errors = []
@@ -131,7 +132,7 @@ class PipelineConfig:
     """Pipeline stages over the ``pp`` axis."""
 
     microbatches: int = 4
-    """Micro-batches each step's batch is split into."""
+    """Micro-batches each step's batch is split into (more: a smaller bubble)."""
     schedule: str = "1f1b"
     """``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``."""
     virtual_stages: int = 1

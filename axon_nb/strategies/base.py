@@ -1,7 +1,9 @@
 """``Strategy``: a typed config saying how a model is spread over the ranks.
 
 A strategy holds only the options it honours, checked when it is built (every problem listed
-at once). It maps to two things the ranks use and nothing else:
+at once). A strategy that takes all of one technique's options inherits them from that
+technique's config (``DDP`` from ``DDPConfig``): each option is declared once, with its default
+and docstring. It maps to two things the ranks use and nothing else:
 
 - ``dims(world_size, ranks_per_host)``: the :class:`~axon_nb.spec.parallel_dims.ParallelDims`
   (degrees of data, tensor and pipeline parallelism);
@@ -15,18 +17,26 @@ without importing torch.
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, fields
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from axon_nb.spec.parallel_config import ParallelConfig
 from axon_nb.spec.parallel_dims import ParallelDims
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
+    C = TypeVar("C", bound=DataclassInstance)
+
+
+# (not slotted: a strategy inherits its technique's config, which is, and two slotted bases
+# cannot be combined)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class Strategy:
     """Base of all strategies; on its own it trains the model as is, on one rank.
 
-    Subclasses are ``@dataclass(frozen=True, kw_only=True, slots=True, repr=False)`` configs
-    with ``name`` set; they override ``dims``, ``config`` and ``problems``.
+    Subclasses are ``@dataclass(frozen=True, kw_only=True, repr=False)`` configs with ``name``
+    set, which inherit the options of the config they take whole (``class DDP(Strategy,
+    DDPConfig)``); they override ``dims``, ``config`` and ``problems``.
     """
 
     name: ClassVar[str] = "single_device"
@@ -79,7 +89,9 @@ class Strategy:
 
     def __repr__(self) -> str:
         changed = []
-        for f in fields(self):
+        # (the options of every strategy first, as declared: not after an inherited config's)
+        base = [f for f in fields(self) if f.name in _BASE_OPTIONS]
+        for f in [*base, *(f for f in fields(self) if f.name not in _BASE_OPTIONS)]:
             default = f.default if f.default is not MISSING else None
             value = getattr(self, f.name)
             if value != default or f.name in self.shown:
@@ -90,7 +102,7 @@ class Strategy:
         return self.interval if self.activation_checkpointing else 0
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class SingleDevice(Strategy):
     """No parallelism: the model trains as is on one rank (``train_local``'s default).
 
@@ -100,6 +112,27 @@ class SingleDevice(Strategy):
     """
 
     name: ClassVar[str] = "single_device"
+
+
+_BASE_OPTIONS = ("activation_checkpointing", "interval")
+
+
+def config_from(cls: type[C], source: object, **changes: Any) -> C:
+    """A ``cls`` config (of ``axon_nb.spec.parallel_config``) with ``source``'s options of the
+    same names (lists as tuples), the others at their defaults, and ``changes`` over them.
+
+    Example::
+
+        config_from(FSDPConfig, ZeRO(stage=3, cpu_offload=True))   # FSDPConfig(cpu_offload=True)
+    """
+    values = {
+        f.name: _frozen(getattr(source, f.name)) for f in fields(cls) if hasattr(source, f.name)
+    }
+    return cls(**{**values, **changes})
+
+
+def _frozen(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def divisors(n: int) -> list[int]:

@@ -7,13 +7,13 @@ from typing import ClassVar
 
 from axon_nb.spec.parallel_config import DDPConfig, ExpertConfig, FSDPConfig, ParallelConfig
 from axon_nb.spec.parallel_dims import ParallelDims, positive
-from axon_nb.strategies.base import Strategy, divisors
+from axon_nb.strategies.base import Strategy, config_from, divisors
 
 DATA_PARALLEL = ("ddp", "fsdp")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
-class ExpertParallel(Strategy):
+@dataclass(frozen=True, kw_only=True, repr=False)
+class ExpertParallel(Strategy, ExpertConfig):
     """Expert parallelism: each MoE layer's experts are split over ``ep`` ranks, and every
     token goes to the rank that holds its experts and back (per layer: an ``all_to_all`` of
     the per-expert counts, then one of the tokens each way, and the same two in backward).
@@ -22,7 +22,8 @@ class ExpertParallel(Strategy):
     ``ep``, each expert is held by ``world_size / ep`` ranks, whose gradients are averaged.
 
     The experts modules are the model's own (``GPTConfig(experts=8)``'s ``GroupedExperts``, a
-    transformers MoE model's ``base_model_ep_plan``) or those ``plan`` names.
+    transformers MoE model's ``base_model_ep_plan``) or those ``plan`` names
+    (:class:`~axon_nb.spec.parallel_config.ExpertConfig`'s option).
 
     Example::
 
@@ -39,8 +40,6 @@ class ExpertParallel(Strategy):
     """Ranks the experts of each layer are split over (it must divide the number of experts)."""
     data_parallel: str = "ddp"
     """How the other parameters are held: ``"ddp"`` (replicated) or ``"fsdp"`` (sharded)."""
-    plan: tuple[str, ...] | None = None
-    """Module-name patterns of the experts modules (``fnmatch``); None: the model's own."""
 
     def problems(self) -> list[str]:
         errors = Strategy.problems(self)
@@ -48,7 +47,7 @@ class ExpertParallel(Strategy):
             errors.append(f"ep must be an integer >= 2 (ranks per expert group), got {self.ep!r}")
         if self.data_parallel not in DATA_PARALLEL:
             errors.append(f"data_parallel must be 'ddp' or 'fsdp', got {self.data_parallel!r}")
-        return errors + ExpertConfig(plan=self.plan).problems()
+        return errors + ExpertConfig.problems(self)
 
     def dims(self, world_size: int, ranks_per_host: int = 1) -> ParallelDims:
         if world_size % self.ep:
@@ -67,6 +66,6 @@ class ExpertParallel(Strategy):
             data_parallel=self.data_parallel,
             ddp=None if fsdp else DDPConfig(),
             fsdp=FSDPConfig() if fsdp else None,
-            expert=ExpertConfig(plan=self.plan),
+            expert=config_from(ExpertConfig, self),
             activation_checkpointing=self._checkpoint_every(),
         )

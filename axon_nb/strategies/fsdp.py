@@ -7,12 +7,12 @@ from typing import ClassVar
 
 from axon_nb.spec.parallel_config import FSDPConfig, ParallelConfig
 from axon_nb.spec.parallel_dims import ParallelDims, positive
-from axon_nb.strategies.base import Strategy, divisors
+from axon_nb.strategies.base import Strategy, config_from, divisors
 
 SHARDING = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class FSDP(Strategy):
     """Shard parameters, gradients and optimizer state across ranks with FSDP2.
 
@@ -69,14 +69,9 @@ class FSDP(Strategy):
 
     def _fsdp(self) -> FSDPConfig:
         reshard = self.reshard_after_forward
-        return FSDPConfig(
-            reshard_after_forward=self.sharding != "shard_grad_op" if reshard is None else reshard,
-            param_dtype=self.param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            cpu_offload=self.cpu_offload,
-            auto_wrap=self.auto_wrap,
-            min_params=self.min_params,
-        )
+        if reshard is None:  # (the sharding mode's choice)
+            reshard = self.sharding != "shard_grad_op"
+        return config_from(FSDPConfig, self, reshard_after_forward=reshard)
 
 
 def sharding_problems(sharding: str, shard_size: int | None) -> list[str]:

@@ -14,14 +14,14 @@ from axon_nb.spec.parallel_config import (
     TensorConfig,
 )
 from axon_nb.spec.parallel_dims import ParallelDims, positive
-from axon_nb.strategies.base import Strategy
+from axon_nb.strategies.base import Strategy, config_from
 from axon_nb.strategies.fsdp import sharding_problems, split_data_parallel
 
 DATA_PARALLEL = ("fsdp", "ddp")
 FSDP_ONLY = ("shard_size", "param_dtype", "reduce_dtype", "cpu_offload")
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class Hybrid(Strategy):
     """``dp`` x ``ep`` x ``tp`` x ``pp`` ranks on one mesh (``axon_nb.spec.parallel_dims``):
     the model is cut into ``pp`` pipeline stages, each stage's layers are split over ``tp``
@@ -95,7 +95,10 @@ class Hybrid(Strategy):
         ]
         if bad:
             errors.append(f"parallel degrees must be positive integers, got {', '.join(bad)}")
-        errors += self._tensor().problems() + self._pipeline().problems()
+        errors += (
+            config_from(TensorConfig, self).problems()
+            + config_from(PipelineConfig, self).problems()
+        )
         errors += ExpertConfig(plan=self.expert_plan).problems()
         if positive(self.ep) and self.ep > 1:
             if self.sequence_parallel:
@@ -156,28 +159,12 @@ class Hybrid(Strategy):
             data_parallel=self.data_parallel if self.dp * self.ep > 1 else "none",
             ddp=None if fsdp else DDPConfig(),
             fsdp=self._fsdp() if fsdp else None,
-            tensor=self._tensor(),
-            pipeline=self._pipeline(),
+            tensor=config_from(TensorConfig, self),
+            pipeline=config_from(PipelineConfig, self),
             expert=ExpertConfig(plan=self.expert_plan),
             activation_checkpointing=self._checkpoint_every(),
         )
 
     def _fsdp(self) -> FSDPConfig:
-        return FSDPConfig(
-            reshard_after_forward=self.sharding != "shard_grad_op",
-            param_dtype=self.param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            cpu_offload=self.cpu_offload,
-        )
-
-    def _tensor(self) -> TensorConfig:
-        return TensorConfig(plan=self.plan, sequence_parallel=self.sequence_parallel)
-
-    def _pipeline(self) -> PipelineConfig:
-        return PipelineConfig(
-            microbatches=self.microbatches,
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-            split_points=self.split_points,
-            split=tuple(self.split) if isinstance(self.split, list) else self.split,
-        )
+        reshard = self.sharding != "shard_grad_op"
+        return config_from(FSDPConfig, self, reshard_after_forward=reshard)

@@ -7,11 +7,11 @@ from typing import ClassVar
 
 from axon_nb.spec.parallel_config import ParallelConfig, PipelineConfig
 from axon_nb.spec.parallel_dims import ParallelDims
-from axon_nb.strategies.base import Strategy
+from axon_nb.strategies.base import Strategy, config_from
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
-class Pipeline(Strategy):
+@dataclass(frozen=True, kw_only=True, repr=False)
+class Pipeline(Strategy, PipelineConfig):
     """Cut the model into stages, one per rank (or ``virtual_stages`` per rank), and run
     micro-batches through them with a pipeline schedule.
 
@@ -27,6 +27,9 @@ class Pipeline(Strategy):
       dict batches, a transformers model's own ``loss_function`` on ``labels``); the global
       loss is its mean. Each rank holds only its stages' parameters.
 
+    Besides ``num_stages``, the options are
+    :class:`~axon_nb.spec.parallel_config.PipelineConfig`'s.
+
     Example::
 
         from axon_nb import Pipeline
@@ -39,20 +42,9 @@ class Pipeline(Strategy):
 
     num_stages: int | None = None
     """Total stages; it must be ranks x ``virtual_stages`` (the default)."""
-    microbatches: int = 4
-    """Micro-batches each step's batch is split into (more: a smaller bubble)."""
-    schedule: str = "1f1b"
-    """``"gpipe"``, ``"1f1b"`` or ``"interleaved_1f1b"``."""
-    virtual_stages: int = 1
-    """Stages per rank (``interleaved_1f1b`` needs at least 2)."""
-    split_points: tuple[int, ...] | None = None
-    """First layer index of every stage after the first, instead of balancing."""
-    split: tuple[str, ...] | None = None
-    """Module names to cut the model into, in forward order (a ``ModuleList`` gives one layer
-    per entry), for a model with no plan of its own: ``("embed", "blocks", "norm", "head")``."""
 
     def problems(self) -> list[str]:
-        return [*Strategy.problems(self), *self._pipeline().problems()]
+        return [*Strategy.problems(self), *PipelineConfig.problems(self)]
 
     def dims(self, world_size: int, ranks_per_host: int = 1) -> ParallelDims:
         expected = world_size * self.virtual_stages
@@ -67,14 +59,6 @@ class Pipeline(Strategy):
 
     def config(self) -> ParallelConfig:
         return ParallelConfig(
-            pipeline=self._pipeline(), activation_checkpointing=self._checkpoint_every()
-        )
-
-    def _pipeline(self) -> PipelineConfig:
-        return PipelineConfig(
-            microbatches=self.microbatches,
-            schedule=self.schedule,
-            virtual_stages=self.virtual_stages,
-            split_points=self.split_points,
-            split=tuple(self.split) if isinstance(self.split, list) else self.split,
+            pipeline=config_from(PipelineConfig, self),
+            activation_checkpointing=self._checkpoint_every(),
         )

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from axon_nb.spec.parallel_config import ParallelConfig, TensorConfig
 from axon_nb.spec.parallel_dims import ParallelDims
-from axon_nb.strategies.base import Strategy
+from axon_nb.strategies.base import Strategy, config_from
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
-class TensorParallel(Strategy):
+@dataclass(frozen=True, kw_only=True, repr=False)
+class TensorParallel(Strategy, TensorConfig):
     """Split the model's linear layers over the ranks (``torch.distributed.tensor.parallel``).
 
     - ``plan``: module-name patterns to ``"colwise"`` / ``"rowwise"`` (or transformers'
@@ -22,7 +22,8 @@ class TensorParallel(Strategy):
       row; MLP up column, down row).
     - ``sequence_parallel``: norms work on sequence shards between the parallel layers.
 
-    Every rank sees the same data; the loss is the same on every rank.
+    Every rank sees the same data; the loss is the same on every rank. The options are
+    :class:`~axon_nb.spec.parallel_config.TensorConfig`'s.
 
     Example::
 
@@ -35,24 +36,14 @@ class TensorParallel(Strategy):
 
     name: ClassVar[str] = "tensor"
 
-    plan: dict[str, Any] | str | None = None
-    """Module-name pattern -> a style (``"colwise"``, ``"rowwise"``, ``"colwise_rep"``,
-    ``"rowwise_rep"``, ``"colwise_gather_output"``, ``"embedding_rowwise"``,
-    ``"embedding_colwise"``) or a torch ``ParallelStyle``; ``"auto"``: the model's own plan;
-    None: the default plan."""
-    sequence_parallel: bool = False
-    """Shard norms (and the residual stream) along the sequence between parallel layers."""
-
     def problems(self) -> list[str]:
-        return [*Strategy.problems(self), *self._tensor().problems()]
+        return [*Strategy.problems(self), *TensorConfig.problems(self)]
 
     def dims(self, world_size: int, ranks_per_host: int = 1) -> ParallelDims:
         return ParallelDims(tp=world_size, world_size=world_size)
 
     def config(self) -> ParallelConfig:
         return ParallelConfig(
-            tensor=self._tensor(), activation_checkpointing=self._checkpoint_every()
+            tensor=config_from(TensorConfig, self),
+            activation_checkpointing=self._checkpoint_every(),
         )
-
-    def _tensor(self) -> TensorConfig:
-        return TensorConfig(plan=self.plan, sequence_parallel=self.sequence_parallel)

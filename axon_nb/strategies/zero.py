@@ -7,7 +7,7 @@ from typing import ClassVar
 
 from axon_nb.spec.parallel_config import DDPConfig, FSDPConfig, ParallelConfig
 from axon_nb.spec.parallel_dims import ParallelDims
-from axon_nb.strategies.base import Strategy
+from axon_nb.strategies.base import Strategy, config_from
 
 STAGE_OPTIONS = {
     "comm_hook": (1, "stage 1 all-reduces whole gradients through DDP, which takes the hook; "
@@ -19,7 +19,7 @@ STAGE_OPTIONS = {
 """Options that only one stage honours: ``name -> (stage, why)``."""
 
 
-@dataclass(frozen=True, kw_only=True, slots=True, repr=False)
+@dataclass(frozen=True, kw_only=True, repr=False)
 class ZeRO(Strategy):
     """ZeRO stage 1, 2 or 3, with DeepSpeed's meaning.
 
@@ -71,7 +71,7 @@ class ZeRO(Strategy):
                     f"{option}={getattr(self, option)!r} is honoured by stage {stage} only "
                     f"({why}); remove it, or use stage={stage}"
                 )
-        errors += DDPConfig(bucket_cap_mb=self.bucket_cap_mb, comm_hook=self.comm_hook).problems()
+        errors += config_from(DDPConfig, self).problems()
         if self.stage == 3:
             errors += self._fsdp().problems()
         return errors
@@ -85,7 +85,7 @@ class ZeRO(Strategy):
             return ParallelConfig(
                 data_parallel="fsdp", fsdp=self._fsdp(), activation_checkpointing=every
             )
-        ddp = DDPConfig(bucket_cap_mb=self.bucket_cap_mb, comm_hook=self.comm_hook)
+        ddp = config_from(DDPConfig, self)
         return ParallelConfig(
             data_parallel=f"zero{self.stage}",
             ddp=ddp if self.stage == 1 else None,
@@ -94,8 +94,4 @@ class ZeRO(Strategy):
         )
 
     def _fsdp(self) -> FSDPConfig:
-        return FSDPConfig(
-            param_dtype=self.param_dtype,
-            reduce_dtype=self.reduce_dtype,
-            cpu_offload=self.cpu_offload,
-        )
+        return config_from(FSDPConfig, self)

@@ -15,18 +15,20 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.errors import ClusterBrokenError, RankDiedError, RankError
 from axon_nb.rank import entry
-from axon_nb.strategies import DDP, resolve_strategy
+from axon_nb.spec.validation import check_world
+from axon_nb.strategies import resolve_strategy
 from axon_nb.tables import html_table, text_table
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
+    from axon_nb.spec.train_spec import TrainSpec
 
 NAME = "_axon_compare"
 """The run name each candidate trains under (dropped after it)."""
@@ -79,58 +81,49 @@ def _mib(value: float | None, digits: int) -> str:
 
 
 def compare(
-    cluster: ClusterLike, strategies: list[Any], *, steps: int = 10, warmup: int = 2,
-    model: Any = None, data: Any = None, columns: tuple[Any, Any] | None = None,
-    optimizer: Any = None,
-    param_groups: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
-    no_decay: str | None = None, loss: Callable[..., Any] | None = None,
-    loss_normalization: str = "mean", batch_size: int,
-    grad_accum: int = 1, mixed_precision: str | None = None,
-    clip_grad_norm: float | None = None, loader: dict[str, Any] | None = None,
-    compile: bool = False, schedule: str = "constant", warmup_steps: int = 0,
-    scheduler: Callable[..., Any] | None = None, seed: int = 0,
-    metrics_interval_s: float = 0.5, from_state: bool | str = False,
-) -> Comparison:  # fmt: skip
-    """Train each of ``strategies`` for ``steps`` steps with the other training options (those
-    of ``train``, less what compare sets itself: strategy, name, resume, block, checkpoints
-    and restarts); figures leave out the first ``warmup`` steps.
+    cluster: ClusterLike,
+    strategies: list[Any],
+    spec: TrainSpec,
+    *,
+    warmup: int = 2,
+    from_state: bool | str = False,
+) -> Comparison:
+    """Train ``spec`` under each of ``strategies`` for ``spec.steps`` steps: what
+    ``cluster.compare(...)`` runs once it has built the spec (with ``resume=bool(from_state)``);
+    figures leave out the first ``warmup`` steps.
 
     ``from_state=True`` (or a run's name; True is ``"model"``): each candidate starts from
     that run's current model, optimizer state, step and schedule, laid out afresh under the
     candidate in memory (``model=`` builds the skeleton), instead of from a fresh model; the
     run itself is left as it is. Its state stays in memory meanwhile, so the peak figures
-    include it."""
-    source = "model" if from_state is True else from_state or None
-    train = {
-        k: v
-        for k, v in locals().items()
-        if k not in ("cluster", "strategies", "steps", "warmup", "from_state", "source")
-    }
-    from axon_nb.spec.train_spec import check_world, make_spec
+    include it. Example::
+
+        spec = make_spec(DDP, model=make_model, data=ds, steps=20, batch_size=32)
+        compare(cluster, [DDP(), FSDP()], spec)
+    """
     from axon_nb.train.start import start_run
 
     if not strategies:
         raise ValueError("compare needs a list of strategies, e.g. [DDP(), FSDP()]")
-    if not isinstance(warmup, int) or not 0 <= warmup < steps:
+    if not isinstance(warmup, int) or not 0 <= warmup < spec.steps:
         raise ValueError(f"warmup must be an integer in 0..steps-1, got {warmup!r}")
+    source = "model" if from_state is True else from_state or None
     world = len(cluster.targets())
-    profile, not_profiled = _profile(cluster, train)
+    profile, not_profiled = _profile(cluster, spec)
     rows = []
     for candidate in strategies:
         strategy = resolve_strategy(candidate)
         row: dict[str, Any] = {"strategy": strategy.describe()}
-        row.update(_predicted(profile, strategy, world, cluster.ranks_per_host, train))
+        row.update(_predicted(profile, strategy, world, cluster.ranks_per_host, spec))
         if not_profiled:
             row["prediction_note"] = not_profiled
         try:
-            spec = make_spec(
-                DDP, **train, strategy=strategy, steps=steps, name=NAME, resume=bool(source)
-            )
-            check_world(spec, world, cluster.ranks_per_host)
+            run = dataclasses.replace(spec, strategy=strategy, name=NAME, resume=bool(source))
+            check_world(run, world, cluster.ranks_per_host)
             if source:
-                _copy(cluster, source, spec)
+                _copy(cluster, source, run)
             label = f"compare {strategy.describe()}"
-            result = start_run(cluster, spec, show=False, label=label).wait()
+            result = start_run(cluster, run, show=False, label=label).wait()
             row.update(_figures(result, warmup), status="ok")
         except (ValueError, RankError) as e:
             row["status"] = f"{type(e).__name__}: {e}".splitlines()[0]
@@ -144,15 +137,9 @@ def compare(
     return Comparison(rows)
 
 
-def _copy(cluster: ClusterLike, source: str, spec: Any) -> None:
+def _copy(cluster: ClusterLike, source: str, spec: TrainSpec) -> None:
     """Run ``source`` laid out afresh on the ranks as ``spec`` says, under ``spec.name``."""
-    import cloudpickle
-
-    from axon_nb.cluster.waiting import results
-
-    targets = cluster.targets()
-    ar, interrupted = cluster.apply(targets, entry.copy_run, source, cloudpickle.dumps(spec))
-    results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))
+    cluster.run(entry.copy_run, source, spec)
 
 
 def _figures(result: Any, warmup: int) -> dict[str, Any]:
@@ -174,18 +161,18 @@ def _figures(result: Any, warmup: int) -> dict[str, Any]:
     }
 
 
-def _profile(cluster: ClusterLike, train: dict[str, Any]) -> tuple[Any, str | None]:
+def _profile(cluster: ClusterLike, spec: TrainSpec) -> tuple[Any, str | None]:
     """The model's profile (on rank 0) and None, or None and why it could not be taken (a
     stream, a dask collection, a model that does not build): the rows then say why they
     have no predictions."""
     try:
-        return cluster.profile(train.get("model"), train.get("data"), train.get("loss")), None
+        return cluster.profile(spec.model, spec.data, spec.loss), None
     except (RankError, TypeError, ValueError) as e:
         return None, f"the model could not be profiled: {_first_line(e)}"
 
 
 def _predicted(
-    profile: Any, strategy: Any, world: int, ranks_per_host: int, train: dict[str, Any]
+    profile: Any, strategy: Any, world: int, ranks_per_host: int, spec: TrainSpec
 ) -> dict[str, Any]:
     """The row's predictions, or None for each and ``prediction_note`` saying why."""
     from axon_nb.estimate import predict
@@ -194,10 +181,9 @@ def _predicted(
         return {"predicted_peak_bytes": None, "predicted_comm_bytes": None}  # (no phase)
     try:
         p = predict(
-            profile, strategy, world_size=world, batch_size=train["batch_size"],
-            ranks_per_host=ranks_per_host, grad_accum=train.get("grad_accum", 1),
-            optimizer=train.get("optimizer") or "adamw",
-            mixed_precision=train.get("mixed_precision"),
+            profile, strategy, world_size=world, batch_size=spec.batch_size,
+            ranks_per_host=ranks_per_host, grad_accum=spec.grad_accum, optimizer=spec.optimizer,
+            mixed_precision=spec.mixed_precision,
         )  # fmt: skip
     except (KeyError, ValueError) as e:
         return {

@@ -99,12 +99,13 @@ def place(
     the futures that keep the rows alive (release them when the run no longer needs them)."""
     import distributed
 
+    from axon_nb.cluster.dask_on_ranks import workers_by_rank
     from axon_nb.spec.dask_rows import DaskShards, length, pieces_of
 
     parts = partitions(data, columns)
     client = cluster.dask()
     _check_futures(data, client)
-    workers = cluster._dask.workers
+    workers = workers_by_rank(client)
     data_ranks = {r: dims.data_rank(r)[0] for r in range(len(cluster.ranks))}
     owner = {d: min(r for r, i in data_ranks.items() if i == d) for d in set(data_ranks.values())}
     made: list[Any] = []  # every future made here: released on any failure

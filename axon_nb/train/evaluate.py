@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.rank import entry
+from axon_nb.train import notebook_data
 from axon_nb.train.progress import wait_with_bar
 
 if TYPE_CHECKING:
@@ -53,6 +54,6 @@ def evaluate(
         problems.append("data is required: a dataset, or a callable returning one")
     if problems:
         raise ValueError("; ".join(problems))
-    targets = cluster.targets()
-    ar, interrupted = cluster.apply(targets, entry.evaluate, name, data, loss, metrics, batch_size)
-    return wait_with_bar(cluster, ar, targets, "evaluate", interrupted)[0]
+    data = notebook_data.share(cluster, data) or data  # its tensors held once per host
+    sent = cluster.send(entry.evaluate, name, data, loss, metrics, batch_size)
+    return wait_with_bar(sent, "evaluate")[0]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Any
 
-from axon_nb.cluster.waiting import results
 from axon_nb.rank import entry
 
 if TYPE_CHECKING:
@@ -50,8 +49,6 @@ def generate(
     if problems:
         raise ValueError("; ".join(problems))
     seed = random.randrange(2**31) if seed is None else seed
-    targets = cluster.targets()
-    ar, interrupted = cluster.apply(
-        targets, entry.generate, name, input_ids, attention_mask, seed, max_new_tokens, options
-    )
-    return results(cluster.wait(ar, targets, stream=True, interrupted=interrupted))[0]
+    return cluster.run(
+        entry.generate, name, input_ids, attention_mask, seed, max_new_tokens, options
+    )[0]

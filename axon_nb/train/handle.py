@@ -1,48 +1,31 @@
-"""``TrainHandle``: a training run in progress on the ranks, seen from the kernel."""
+"""``TrainHandle``: a training run in progress on the ranks, seen from the kernel.
+
+The handle puts three parts together: the run's metrics stream and the monitor thread that
+reads it (``train/run_stream.py``), the hang watchdog that listens to it
+(``train/watchdog.py``), and what the run shows and prints (``train/presenter.py``: the
+dashboard, the text bar, the messages at its end). It waits for the ranks' results itself.
+"""
 
 from __future__ import annotations
 
-import sys
-import threading
-import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 
-from axon_nb.cluster.hangs import HangWatch
-from axon_nb.cluster.waiting import describe_error, results
-from axon_nb.errors import AxonError, RankError
+from axon_nb.cluster.waiting import results
+from axon_nb.errors import RankError
 from axon_nb.spec.train_spec import TrainSpec
-from axon_nb.train.progress import ProgressBar
-from axon_nb.train.result import TrainResult, build_result, merge_records
-from axon_nb.train.trace_report import trace_table
+from axon_nb.train.presenter import RunPresenter
+from axon_nb.train.result import TrainResult, build_result
+from axon_nb.train.run_stream import LAST_PUBLICATION_S, MONITOR_S, MetricsListener, RunStream
+from axon_nb.train.watchdog import HangWatchdog
 from axon_nb.widgets.dashboard import Dashboard
 
 if TYPE_CHECKING:
-    from axon_nb.cluster.transport import ClusterLike
+    from axon_nb.cluster.transport import ClusterLike, Sent
 
-MONITOR_S = 0.1
-"""How often the kernel-side monitor thread reads the ranks' metrics stream."""
 SOFT_STOP_S = 120.0
 """After Ctrl-C or ``stop()``, how long ranks get to reach the next step boundary."""
-LAST_PUBLICATION_S = 10.0
-"""Once a rank's result is in, how long its last publication (its final status) may trail it:
-the publication goes out on the engine's IOPub thread, the result on its shell socket."""
-FINAL_STATUSES = ("finished", "stopped", "failed")
-"""A rank's status in its last publication of a run (``axon_nb.metrics/1``)."""
-
-
-class MetricsListener(Protocol):
-    """Receives the metrics stream of one run (called from the monitor thread)."""
-
-    def message(self, rank: int, message: dict[str, Any]) -> None:
-        """One publication of ``rank`` (schema ``axon_nb.metrics/1``)."""
-
-    def tick(self) -> None:
-        """Called on every monitor poll (about ``MONITOR_S``), messages or not."""
-
-    def done(self, failures: dict[int, str]) -> None:
-        """The run ended; ``failures`` maps failed ranks to their error."""
 
 
 class TrainHandle:
@@ -61,57 +44,42 @@ class TrainHandle:
     def __init__(
         self,
         cluster: ClusterLike,
-        ar: ipp.AsyncResult,
-        targets: list[int],
+        sent: Sent,
         spec: TrainSpec,
         run: str,
         *,
-        interrupted: bool = False,
         label: str | None = None,
     ) -> None:
         self._cluster = cluster
-        self._client = cluster.client
-        """The client the run went out on: once the cluster stops or restarts, its results
-        never come, and the monitor ends."""
-        self._interrupted = interrupted
-        """A Ctrl-C came while the run was being sent: the first wait delivers it."""
+        self._sent = sent
+        """The run on the ranks (``Transport.send``): its wait delivers a Ctrl-C that came
+        while it was being sent."""
+        ar, targets = sent.ar, sent.targets
         self._ar = ar
         self._targets = targets
         self._spec = spec
-        self._run = run
-        self._parts = dict(zip(targets, ar.split(), strict=True))
-        self._records: dict[int, dict[int, dict[str, Any]]] = {r: {} for r in targets}
-        self._latest: dict[int, dict[str, Any]] = {}
         self._result: TrainResult | None = None
-        self.shown = False
-        """True once the dashboard is displayed (then no text bar is drawn)."""
-        self._bar = ProgressBar(label or f"train {spec.name}", spec.steps)
-        """The text bar drawn where no dashboard is shown (a terminal; a kernel's compare)."""
-        self._listeners: list[MetricsListener] = []
         self.restart_on_death = False
         """Set by automatic recovery (``max_restarts``), which restarts every rank when one
         dies: the wait then ends at the death, without bringing the survivors to rest."""
-        self._ended: dict[int, str] | None = None
-        """The failures the listeners were told of at the run's end (None while it runs)."""
         hosts = len({r.get("host") for r in cluster.ranks})
         where = f" on {hosts} hosts" if hosts > 1 else ""
-        self.dashboard = Dashboard(
-            len(targets), title=f"{spec.name} · {spec.strategy.name} · {len(targets)} ranks{where}"
+        self._presenter = RunPresenter(
+            spec.name,
+            label=label or f"train {spec.name}",
+            steps=spec.steps,
+            world_size=len(targets),
+            title=f"{spec.name} · {spec.strategy.name} · {len(targets)} ranks{where}",
         )
-        """The live widget of this run; display it (``%axon_dashboard``) to watch."""
-        self._listeners.append(self.dashboard)
-        self._lock = threading.Lock()
+        self._stream = RunStream(cluster, ar, targets, run)
         hang_timeout = cluster.options.hang_timeout
-        self._hang = HangWatch(hang_timeout, self._on_hang) if hang_timeout is not None else None
-        self._hang_at: object = None
-        """The steps when a hang was last reported (the dashboard shows it until they change)."""
-        self._failed = threading.Event()
-        """Set when :meth:`wait` raised a rank's failure: the monitor stops, even with ranks
-        still running (a rank died and recovery restarts them all, or one is stuck)."""
-        # Each publication repeats only the previous one's records, so read them well within
-        # two publication intervals, whether or not anyone is looking.
-        self._monitor = threading.Thread(target=self._watch, name="axon-train-monitor", daemon=True)
-        self._monitor.start()
+        if hang_timeout is not None:  # (first: a hang cleared at the end, then the freeze)
+            watchdog = HangWatchdog(
+                cluster, hang_timeout, show=self._presenter.show_hang, running=self._running
+            )
+            self._stream.add_listener(watchdog)
+        self._stream.add_listener(self._presenter.dashboard)
+        self._stream.start()
 
     @property
     def name(self) -> str:
@@ -123,144 +91,39 @@ class TrainHandle:
         return self._ar.ready()
 
     @property
+    def dashboard(self) -> Dashboard:
+        """The live widget of this run; display it (``%axon_dashboard``) to watch."""
+        return self._presenter.dashboard
+
+    @property
+    def shown(self) -> bool:
+        """True once the dashboard is displayed (then no text bar is drawn)."""
+        return self._presenter.shown
+
+    @property
     def history(self) -> list[dict[str, Any]]:
         """Steps streamed so far, in :class:`TrainResult`'s ``history`` format."""
         if self._result is not None:
             return self._result.history
-        self.poll()
-        with self._lock:
-            return merge_records(self._records)
+        return self._stream.history()
 
     @property
     def latest(self) -> dict[int, dict[str, Any]]:
         """Each rank's latest publication without its records (status, step, memory, ...)."""
-        self.poll()
-        return dict(self._latest)
+        return self._stream.latest()
 
     def poll(self) -> None:
         """Read what the ranks have published since the last poll."""
-        with self._lock:
-            self._read()
+        self._stream.poll()
 
     def add_listener(self, listener: MetricsListener) -> None:
         """Send every new publication, and the run's end, to ``listener`` (a dashboard)."""
-        with self._lock:
-            self._listeners.append(listener)
-            for rank, message in self._latest.items():  # catch up on what came before
-                listener.message(rank, {**message, "records": list(self._records[rank].values())})
-            if self._ended is not None:
-                listener.done(self._ended)
+        self._stream.add_listener(listener)
 
     def summaries(self) -> list[dict[str, Any]]:
         """What each rank that finished returned (rank order, once :attr:`done`): its step
         records, memory and totals, which the result is built from."""
-        parts = sorted(self._parts.items())
-        return [part.get() for _, part in parts if part.ready() and part.successful()]
-
-    def _cluster_gone(self) -> bool:
-        """The ranks the run went to are gone (the cluster stopped or restarted)."""
-        try:
-            return not self._cluster.running or self._cluster.client is not self._client
-        except AxonError:  # stopping just now: its client is gone before its ranks
-            return True
-
-    def _watch(self) -> None:
-        while not self._ar.ready() and not self._failed.is_set() and not self._cluster_gone():
-            self.poll()
-            with self._lock:
-                for listener in self._listeners:
-                    listener.tick()
-            if self._hang is not None:
-                self._check_hang()
-            time.sleep(MONITOR_S)
-        self._wait_for_last_publications()
-        self.poll()
-        self._clear_hang(self._steps())
-        failures = {
-            rank: "{}: {}".format(*describe_error(part.exception()))
-            for rank, part in self._parts.items()
-            if part.ready() and not part.successful()
-        }
-        if not self._ar.ready() and self._cluster_gone():
-            gone = {
-                r: "the cluster stopped or restarted"
-                for r, p in self._parts.items()
-                if not p.ready()
-            }
-            failures.update(gone)
-        with self._lock:
-            self._ended = failures
-            for listener in self._listeners:
-                listener.done(failures)
-
-    def _wait_for_last_publications(self) -> None:
-        """Wait until the finished ranks' last publications are in: read before them, the
-        dashboard froze with a rank "running" whose result said "stopped". A rank that failed
-        is shown failed from its error.
-
-        Each rank's last publication carries its final status, so that is what is waited for
-        (or ipyparallel's word that the call's output is complete, whichever comes first).
-        That word waits for the engine's idle status, which never came once the client had
-        stopped reading IOPub (``cluster/iopub_guard.py`` now keeps it reading), and each run
-        then waited ``LAST_PUBLICATION_S`` for nothing."""
-        finished = {r: p for r, p in self._parts.items() if p.ready() and p.successful()}
-        end = time.monotonic() + LAST_PUBLICATION_S
-        while time.monotonic() < end:
-            self.poll()
-            with self._lock:
-                final = all(
-                    self._latest.get(r, {}).get("status") in FINAL_STATUSES for r in finished
-                )
-            if final or all(p.wait_for_output(0) for p in finished.values()):
-                return
-            if self._cluster_gone():  # (what has not come will not)
-                return
-            time.sleep(MONITOR_S / 5)
-
-    def _steps(self) -> tuple[tuple[int, int], ...]:
-        with self._lock:
-            return tuple(sorted((rank, m["step"]) for rank, m in self._latest.items()))
-
-    def _check_hang(self) -> None:
-        """Report once when no rank finished a step for ``hang_timeout`` (monitor thread)."""
-        assert self._hang is not None
-        steps = self._steps()
-        self._clear_hang(steps)
-        self._hang.check(steps)
-
-    def _clear_hang(self, steps: object) -> None:
-        if self._hang_at is not None and steps != self._hang_at:
-            self._hang_at = None
-            self.dashboard.show_hang("")  # moving again
-
-    def _on_hang(self, seconds: float) -> None:
-        # In its own thread: taking the stacks may take seconds, and the monitor must keep
-        # reading the stream meanwhile (a publication repeats only the previous one's records).
-        self._hang_at = self._steps()
-        threading.Thread(
-            target=self._report_hang, args=(seconds,), name="axon-hang-report", daemon=True
-        ).start()
-
-    def _report_hang(self, seconds: float) -> None:
-        report = self._cluster.report_hang(seconds, progress="no rank finished a step")
-        if report is not None and not self.done and self._hang_at == self._steps():
-            self.dashboard.show_hang(f"No step for {seconds:.0f} s. {report.format()}")
-
-    def _read(self) -> None:
-        for rank, part in self._parts.items():
-            data = part.data
-            if isinstance(data, list):  # single-target results may still wrap in a list
-                data = data[0] if data else {}
-            if not data or data.get("run") != self._run:
-                continue
-            previous = self._latest.get(rank)
-            if previous is not None and previous["heartbeat"] == data["heartbeat"]:
-                continue  # nothing new from this rank
-            self._latest[rank] = {k: v for k, v in data.items() if k != "records"}
-            for listener in self._listeners:
-                listener.message(rank, data)
-            for record in data.get("records", ()):
-                self._records[rank][record["step"]] = record
+        return self._stream.summaries()
 
     def wait(self, timeout: float | None = None) -> TrainResult:
         """Block until the run ends and return its result (Ctrl-C stops it at a step boundary).
@@ -273,55 +136,32 @@ class TrainHandle:
                     f"training {self.name!r} is still running after {timeout:g} s; call wait() "
                     "again, or stop() to end it at the next step"
                 )
-            interrupted, self._interrupted = self._interrupted, False
-            try:
-                parts = self._cluster.wait(
-                    self._ar,
-                    self._targets,
-                    stream=True,
-                    tick=self._tick,
-                    soft_stop_s=SOFT_STOP_S,
-                    watch_hangs=False,  # the monitor thread watches the steps instead
-                    interrupted=interrupted,
-                    settle_deaths=not self.restart_on_death,
-                )
-            except RankError:
-                self._failed.set()  # (results that may never come are not waited for)
-                raise
-            finally:
-                # The monitor's last read and the dashboard's final state come before the result.
-                self._monitor.join(timeout=LAST_PUBLICATION_S + MONITOR_S * 50)
-                if not self.shown:
-                    self._tick()
-                    self._bar.close()
+            parts = self._wait_for_ranks()
             self._result = build_result(
                 results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
             )
-            self._result.dashboard = self.dashboard
-            change = self._result.layout_change
-            if change:
-                print(
-                    f"Resharded {self.name!r} from {change['from']} to {change['to']} in "
-                    f"{change['seconds']:.1f} s (at step {change['step']})."
-                )
-            if self._result.traces:
-                print(trace_table(self._result.traces))
-                self.dashboard.trace_summary = self._result.traces
-            if self._result.stopped:
-                print(
-                    f"Training stopped at step {self._result.step} on every rank; "
-                    f"`{self.name}` is usable on the ranks, and train(..., resume=True) "
-                    "continues from here.",
-                    file=sys.stderr,
-                )
+            self._presenter.report(self._result)
         return self._result
+
+    def _wait_for_ranks(self) -> dict[int, ipp.AsyncResult]:
+        try:
+            return self._sent.parts(
+                tick=self._tick,
+                soft_stop_s=SOFT_STOP_S,
+                watch_hangs=False,  # the watchdog watches the steps instead
+                settle_deaths=not self.restart_on_death,
+            )
+        except RankError:
+            self._stream.abandon()  # (results that may never come are not waited for)
+            raise
+        finally:
+            # The monitor's last read and the dashboard's final state come before the result.
+            self._stream.join(timeout=LAST_PUBLICATION_S + MONITOR_S * 50)
+            self._presenter.close(self._stream.progress)
 
     def show(self) -> None:
         """Display the dashboard in the notebook (what ``%axon_dashboard`` does)."""
-        from IPython.display import display
-
-        display(self.dashboard)
-        self.shown = True
+        self._presenter.show()
 
     def stop(self, timeout: float | None = None) -> TrainResult:
         """Stop every rank at the same step boundary and return the result so far."""
@@ -331,15 +171,10 @@ class TrainHandle:
 
     def _tick(self) -> None:
         """Redraw the text bar (``train/progress.py``), where no dashboard is shown."""
-        if self.shown:
-            return
-        with self._lock:
-            if len(self._latest) < len(self._targets):
-                return
-            done = min(m["step"] - m["start_step"] for m in self._latest.values())
-            records = self._records[self._targets[0]]
-            loss = records[max(records)]["loss"] if records else None
-        self._bar.update(done, loss=loss)
+        self._presenter.tick(self._stream.progress)
+
+    def _running(self) -> bool:
+        return not self.done
 
     def __repr__(self) -> str:
         state = "done" if self.done else "running"

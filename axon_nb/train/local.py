@@ -5,13 +5,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from axon_nb.spec.dask_rows import is_dask_data
-from axon_nb.spec.train_spec import check_world, make_spec
+from axon_nb.spec.make import make_spec
+from axon_nb.spec.train_spec import TrainSpec, spec_options
+from axon_nb.spec.validation import check_world
 from axon_nb.strategies import SingleDevice
 from axon_nb.train import dask_data
 from axon_nb.train.result import TrainResult, build_result
+
+if TYPE_CHECKING:
+    from axon_nb.rank.runtime import RankContext
 
 
 def train_local(
@@ -53,45 +58,37 @@ def train_local(
         ref = axon_nb.train_local(model=make_model, data=ds, steps=20, batch_size=32)
         ref.losses[-1], ref.model
     """
-    import torch
+    return run_local(make_spec(SingleDevice, **spec_options(locals())), device=device)
 
-    from axon_nb.rank import runtime
+
+def run_local(spec: TrainSpec, *, device: str = "cpu") -> TrainResult:
+    """Train ``spec`` in this process on ``device``: what ``train_local`` runs once it has
+    built the spec. Example::
+
+        result = run_local(make_spec(SingleDevice, model=make_model, data=ds, steps=20,
+                                     batch_size=32))
+    """
     from axon_nb.rank.training.loop import run
 
-    spec = make_spec(
-        SingleDevice,
-        model=model,
-        data=data,
-        strategy=strategy,
-        columns=columns,
-        optimizer=optimizer,
-        param_groups=param_groups,
-        no_decay=no_decay,
-        loss=loss,
-        loss_normalization=loss_normalization,
-        steps=steps,
-        batch_size=batch_size,
-        grad_accum=grad_accum,
-        mixed_precision=mixed_precision,
-        clip_grad_norm=clip_grad_norm,
-        loader=loader,
-        compile=compile,
-        schedule=schedule,
-        warmup_steps=warmup_steps,
-        scheduler=scheduler,
-        seed=seed,
-        resume=resume,
-        name=name,
-        eval_data=eval_data,
-        eval_every=eval_every,
-        metrics=metrics,
-    )
     check_world(spec, 1)
     if is_dask_data(spec.data):  # the whole collection, computed here as one rank's pieces
-        spec = dataclasses.replace(spec, data=dask_data.local(spec.data, spec.columns, batch_size))
-    elif spec.columns is not None:
-        raise ValueError("columns= names a dask DataFrame's columns; data= is not one")
-    ctx = runtime.RankContext(
+        local = dask_data.local(spec.data, spec.columns, spec.batch_size)
+        spec = dataclasses.replace(spec, data=local)
+    with _one_rank_world(needed=not isinstance(spec.strategy, SingleDevice)):
+        summary, state = run(spec, _one_rank(device), sink=None, run_id="local")
+    assert state is not None
+    return build_result(
+        [summary], name=spec.name, strategy=spec.strategy.describe(), model=state.module
+    )
+
+
+def _one_rank(device: str) -> RankContext:
+    """The context of rank 0 of a world of one, on ``device``."""
+    import torch
+
+    from axon_nb.rank.runtime import RankContext
+
+    return RankContext(
         rank=0,
         world_size=1,
         local_rank=0,
@@ -103,12 +100,6 @@ def train_local(
         master_addr="127.0.0.1",
         master_port=0,
         timeout_s=300.0,
-    )
-    with _one_rank_world(needed=not isinstance(spec.strategy, SingleDevice)):
-        summary, state = run(spec, ctx, sink=None, run_id="local")
-    assert state is not None
-    return build_result(
-        [summary], name=spec.name, strategy=spec.strategy.describe(), model=state.module
     )
 
 

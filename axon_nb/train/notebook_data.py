@@ -242,7 +242,7 @@ class _Splitter(cloudpickle.Pickler):
     """cloudpickle, with each large plain CPU tensor and NumPy array (a pandas DataFrame's
     columns too) replaced by its index in ``arrays``."""
 
-    def __init__(self, file: io.BytesIO, tensor_type: type) -> None:
+    def __init__(self, file: io.BytesIO, tensor_type: type[Any]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._tensor_type = tensor_type
         numpy = sys.modules.get("numpy")
@@ -361,7 +361,7 @@ def _transfer(
     """Send ``tensors`` to the first rank of each of ``hosts``, which writes them to files;
     every rank of the host maps them; the files are then unlinked (also on any failure)."""
     writers = {host: min(ranks) for host, ranks in hosts.items()}
-    order = sorted(writers, key=writers.get)  # results come back in rank order
+    order = sorted(writers, key=writers.__getitem__)  # results come back in rank order
     paths: dict[str, dict[str, str]] = {host: {} for host in hosts}
     try:
         for pieces in _pieces(metas, tensors, torch):

@@ -12,6 +12,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from axon_nb.rank import entry
+from axon_nb.train import notebook_data
 from axon_nb.train.progress import wait_with_bar
 
 if TYPE_CHECKING:
@@ -52,8 +53,6 @@ def predict(
             problems.append(f"output_dir {output_dir!r} is not a directory: create it first")
     if problems:
         raise ValueError("; ".join(problems))
-    targets = cluster.targets()
-    ar, interrupted = cluster.apply(
-        targets, entry.predict, name, data, batch_size, None if output_dir is None else output_dir
-    )
-    return wait_with_bar(cluster, ar, targets, "predict", interrupted)[0]
+    data = notebook_data.share(cluster, data) or data  # its tensors held once per host
+    sent = cluster.send(entry.predict, name, data, batch_size, output_dir)
+    return wait_with_bar(sent, "predict")[0]

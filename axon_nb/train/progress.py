@@ -22,12 +22,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import ipyparallel as ipp
 
-from axon_nb.cluster.waiting import results
 from axon_nb.spec.call_progress import PROGRESS_KEY
 from axon_nb.widgets.frontend import in_notebook
 
 if TYPE_CHECKING:
-    from axon_nb.cluster.transport import ClusterLike
+    from axon_nb.cluster.transport import Sent
 
 WIDTH = 20
 """Characters of the bar itself."""
@@ -111,19 +110,15 @@ def clock(seconds: float | None) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
 
 
-def wait_with_bar(
-    cluster: ClusterLike, ar: ipp.AsyncResult, targets: list[int], label: str, interrupted: bool
-) -> list[Any]:
+def wait_with_bar(sent: Sent, label: str) -> list[Any]:
     """Wait for a call whose ranks publish their progress (``rank/observe/call_progress.py``)
     and return its results in rank order, drawing its bar meanwhile. Example::
 
-        ar, interrupted = cluster.apply(targets, entry.evaluate, ...)
-        wait_with_bar(cluster, ar, targets, "evaluate", interrupted)[0]
+        wait_with_bar(cluster.send(entry.evaluate, ...), "evaluate")[0]
     """
-    bar, tick = published(label, ar)
+    bar, tick = published(label, sent.ar)
     try:
-        parts = cluster.wait(ar, targets, stream=True, interrupted=interrupted, tick=tick)
-        return results(parts)
+        return sent.wait(tick=tick)
     finally:
         tick()
         bar.close()

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 from axon_nb.checkpoint.on_cluster import load
 from axon_nb.errors import AxonError, ClusterBrokenError, ClusterStartError, RankDiedError
 from axon_nb.spec.checkpoint_series import latest, remove_partial
-from axon_nb.spec.train_spec import TrainSpec, check_world
+from axon_nb.spec.train_spec import TrainSpec
+from axon_nb.spec.validation import check_world
 from axon_nb.train.handle import TrainHandle
 from axon_nb.train.result import TrainResult
 
@@ -72,7 +73,7 @@ def train_with_restarts(cluster: ClusterLike, spec: TrainSpec, start: Start) -> 
                 + (f"checkpoint step {resumed_from}" if ckpt else "the start (no checkpoint yet)")
             )
             world = _world_after(cluster, spec, error, restarts)
-            if world < len(cluster.ranks):
+            if world < len(cluster.ranks) and isinstance(error, RankDiedError):
                 note += f"; rank {error.rank} died again, so going on with {world} ranks"
             print(note, file=sys.stderr)
             world = _restart(cluster, spec, world)

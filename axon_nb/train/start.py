@@ -8,8 +8,6 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import cloudpickle
-
 from axon_nb.rank import entry
 from axon_nb.spec.dask_rows import is_dask_data
 from axon_nb.spec.train_spec import TrainSpec
@@ -40,8 +38,10 @@ def start_run(
         sent = dataclasses.replace(spec, data=shards)
     elif (shared := notebook_data.share(cluster, spec.data)) is not None:
         sent = dataclasses.replace(spec, data=shared)  # its tensors held once per host
-    ar, interrupted = cluster.apply(targets, entry.train, cloudpickle.dumps(sent), run)
-    handle = TrainHandle(cluster, ar, targets, spec, run, interrupted=interrupted, label=label)
+    if (shared_eval := notebook_data.share(cluster, spec.eval_data)) is not None:
+        sent = dataclasses.replace(sent, eval_data=shared_eval)  # the same way as data
+    work = cluster.send(entry.train, sent, run)  # (pickled once, with the call)
+    handle = TrainHandle(cluster, work, spec, run, label=label)
     for note in notes:
         handle.dashboard.note(note)
     cluster.last_run = handle

@@ -37,9 +37,10 @@ import threading
 import urllib.parse
 import warnings
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeGuard
 
 from axon_nb.spec.train_spec import TrainSpec
+from axon_nb.train.tracking_messages import Begin, End, Followed, Message, Publication, RunDone
 from axon_nb.train.tracking_writers import (
     MlflowWriter,
     Params,
@@ -47,9 +48,6 @@ from axon_nb.train.tracking_writers import (
     Writer,
     local_store,
 )
-
-if TYPE_CHECKING:
-    from axon_nb.train.handle import TrainHandle
 
 INSTALL = "pip install 'axon_nb[track]'"
 """The extra that brings the trackers."""
@@ -165,7 +163,9 @@ def step_scalars(records: dict[int, dict[str, Any]]) -> dict[str, float]:
         "train/samples_per_s": first.get("samples_per_s"),
         "train/step_time_s": max(r.get("step_time_s") or 0.0 for r in records.values()),
     }
-    evaluated = next((r["eval"] for _, r in sorted(records.items()) if r.get("eval")), {})
+    evaluated: dict[str, Any] = next(
+        (r["eval"] for _, r in sorted(records.items()) if r.get("eval")), {}
+    )
     out |= {f"eval/{k}": v for k, v in evaluated.items() if k != "samples"}
     for rank, record in sorted(records.items()):
         for key in ("comm_bytes", "comm_time_s", "step_time_s"):
@@ -178,7 +178,7 @@ def memory_scalars(rank: int, memory: dict[str, Any] | None) -> dict[str, float]
     return {f"rank{rank}/memory/{k}": float(v) for k, v in (memory or {}).items() if _number(v)}
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
@@ -198,7 +198,7 @@ class Tracker:
         self._spec = spec
         self._log_to = tuple(log_to)
         self._mlflow_uri = mlflow_uri
-        self._queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._writers: list[Writer] = []
         self._records: dict[int, dict[int, dict[str, Any]]] = {}
@@ -209,11 +209,11 @@ class Tracker:
         """The step of each rank's memory figures last written."""
         self._follows = 0
 
-    def follow(self, handle: TrainHandle, world_size: int, *, last: bool = True) -> None:
+    def follow(self, handle: Followed, world_size: int, *, last: bool = True) -> None:
         """Write the run of ``handle`` (on ``world_size`` ranks); with ``last``, its end ends
         the tracked run (else :meth:`end` does)."""
         self._follows += 1
-        self._queue.put((self._follows, "begin", world_size))
+        self._queue.put(Begin(self._follows, world_size))
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="axon-tracking", daemon=True)
             self._thread.start()
@@ -221,7 +221,7 @@ class Tracker:
 
     def end(self, status: str = "FINISHED") -> None:
         """End the tracked run: write what came in and close the trackers with ``status``."""
-        self._queue.put((self._follows, "end", status))
+        self._queue.put(End(self._follows, status))
 
     def wait(self, timeout: float = WAIT_S) -> None:
         """Wait until everything is written (the tracked run ended), at most ``timeout``."""
@@ -245,22 +245,28 @@ class Tracker:
     def _follow_runs(self) -> None:
         current = 0
         while True:
-            run, kind, *args = self._queue.get()
-            if run < current:
+            message = self._queue.get()
+            if message.follow < current:
                 continue  # from a run that a restart replaced
-            if kind == "begin":
-                if current == 0:
-                    self._open(args[0])
-                current, self._records, self._world = run, {}, args[0]
-            elif kind == "message":
-                self._take(args[0])
-                self._write(ready_only=True)
-            elif kind == "done" or kind == "end":
-                for summary in args[1] if kind == "done" else ():
-                    self._take(summary)
-                self._write(ready_only=False)
-                if kind == "end" or args[2]:
-                    return self._close(args[0] if kind == "end" else _status(*args[:2]))
+            match message:
+                case Begin(follow, world_size):
+                    if current == 0:
+                        self._open(world_size)
+                    current, self._records, self._world = follow, {}, world_size
+                case Publication(_, publication):
+                    self._take(publication)
+                    self._write(ready_only=True)
+                case RunDone(_, failures, summaries, last):
+                    for summary in summaries:
+                        self._take(summary)
+                    self._write(ready_only=False)
+                    if last:
+                        self._close(_status(failures, summaries))
+                        return
+                case End(_, status):
+                    self._write(ready_only=False)
+                    self._close(status)
+                    return
             if self._queue.empty():
                 self._each("flush")
 
@@ -328,18 +334,19 @@ class _Feed:
     """What the handle of one run calls (from its monitor thread): it only queues."""
 
     def __init__(
-        self, into: queue.SimpleQueue[tuple[Any, ...]], run: int, handle: TrainHandle, last: bool
+        self, into: queue.SimpleQueue[Message], follow: int, handle: Followed, last: bool
     ) -> None:
-        self._queue, self._run, self._handle, self._last = into, run, handle, last
+        self._queue, self._follow, self._handle, self._last = into, follow, handle, last
 
     def message(self, rank: int, message: dict[str, Any]) -> None:
-        self._queue.put((self._run, "message", {"rank": rank, **message}))
+        self._queue.put(Publication(self._follow, {"rank": rank, **message}))
 
     def tick(self) -> None:
         pass
 
     def done(self, failures: dict[int, str]) -> None:
-        self._queue.put((self._run, "done", failures, self._handle.summaries(), self._last))
+        summaries = self._handle.summaries()
+        self._queue.put(RunDone(self._follow, failures, summaries, self._last))
 
 
 def _status(failures: dict[int, str], summaries: list[dict[str, Any]]) -> str:

@@ -21,9 +21,11 @@ class TrainResult(Protocol):
 
     name: str
     ranks: list[dict[str, Any]]
-    losses: list[float]
     history: list[dict[str, Any]]
     layout_change: dict[str, Any] | None
+
+    @property
+    def losses(self) -> list[float]: ...
 
 
 def plot_result(result: TrainResult, path: str | Path | None = None) -> Figure:

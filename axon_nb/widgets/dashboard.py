@@ -44,18 +44,18 @@ class Dashboard(anywidget.AnyWidget):
 
     title = traitlets.Unicode("").tag(sync=True)
     progress = traitlets.Dict().tag(sync=True)
-    ranks = traitlets.List().tag(sync=True)
-    memory = traitlets.List().tag(sync=True)
-    communication = traitlets.List().tag(sync=True)
+    ranks: traitlets.List[Any] = traitlets.List().tag(sync=True)
+    memory: traitlets.List[Any] = traitlets.List().tag(sync=True)
+    communication: traitlets.List[Any] = traitlets.List().tag(sync=True)
     experts = traitlets.Dict(allow_none=True, default_value=None).tag(sync=True)
     loss = traitlets.Dict().tag(sync=True)
-    layout_changes = traitlets.List().tag(sync=True)
+    layout_changes: traitlets.List[Any] = traitlets.List().tag(sync=True)
     """Each move of the run to another strategy (``step``, ``from``, ``to``, ``seconds``): a
     labelled vertical marker on the loss chart at its step."""
     frozen = traitlets.Bool(False).tag(sync=True)
     hang_report = traitlets.Unicode("").tag(sync=True)
     """Where the ranks were when the run stopped making progress (empty while it makes some)."""
-    trace_summary = traitlets.List().tag(sync=True)
+    trace_summary: traitlets.List[Any] = traitlets.List().tag(sync=True)
     """With ``trace=``: per rank (rank order), its trace's summary (``top_ops`` as ``(name,
     self_ms)`` pairs, ``compute_ms``, ``comm_ms``, ``comm_share``, ...) or None; set once the
     run ends (``dashboard.trace_summary = result.traces``), and ``save`` shows it too."""

@@ -14,7 +14,10 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 TRAIN_COLOR = "#1f77b4"
 RANK_COLORS = (
@@ -146,7 +149,7 @@ def line_chart(
     """
     xs = [float(x) for line in lines for x, y in line.points if _finite(y)]
     xs += [float(m.step) for m in markers if xs]
-    ys = [float(y) for line in lines for _, y in line.points if _finite(y)]  # type: ignore[arg-type]
+    ys = [float(y) for line in lines for _, y in line.points if _finite(y)]
     if not ys:
         return '<p class="muted">no steps recorded</p>'
     left, right, top, bottom = 56, 12, 10, 26
@@ -187,7 +190,7 @@ def _path(line: Line, sx: Callable[[float], float], sy: Callable[[float], float]
         if not _finite(y):
             pen_down = False
             continue
-        px, py = sx(x), sy(y)  # type: ignore[arg-type]
+        px, py = sx(x), sy(y)
         d.append(f"{'L' if pen_down else 'M'}{px:.1f},{py:.1f}")
         pen_down = True
         if line.dots:
@@ -408,7 +411,7 @@ def _e(text: str) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: Any) -> TypeIs[float]:
     return isinstance(value, int | float) and math.isfinite(value)
 
 

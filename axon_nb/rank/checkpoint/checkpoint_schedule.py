@@ -126,7 +126,8 @@ class PeriodicCheckpoints:
         future = dcp.async_save(
             tensors, checkpoint_id=partial, process_group=self._group, planner=self._planner
         )
-        self._pending = _Pending(future=future, meta=meta, partial=partial)  # type: ignore[arg-type]
+        assert isinstance(future, Future)  # (an AsyncSaveResponse comes with async staging only)
+        self._pending = _Pending(future=future, meta=meta, partial=partial)
         self._since = time.monotonic()
 
     def _finish_pending(self) -> None:

@@ -21,18 +21,20 @@ def save_pretrained(name: str, partial: str) -> int:
     ctx = runtime.context()
     module = state.module
     error: Exception | None = None
-    if not callable(getattr(module, "save_pretrained", None)):
+    save = getattr(module, "save_pretrained", None)  # (transformers' or PEFT's)
+    if not callable(save):
         error = TypeError(
             f"format='hf' writes what save_pretrained writes, but the model is a "
             f"{type(module).__name__}, which has no save_pretrained (not a transformers or "
             "PEFT model); save it with format='torch'"
         )
     agree(ctx, error, "save the model with save_pretrained")
+    assert callable(save)  # (else every rank raised at agree)
     model_state = state.parallel.get_state(state.optimizer, full=True)["model"]
     if ctx.rank == 0:
         try:
             os.makedirs(partial, exist_ok=True)
-            module.save_pretrained(partial, state_dict=model_state, safe_serialization=True)
+            save(partial, state_dict=model_state, safe_serialization=True)
         except Exception as e:
             error = e
     agree(ctx, error, "write the model with save_pretrained")

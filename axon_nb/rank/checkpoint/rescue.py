@@ -42,7 +42,7 @@ def write_pieces(name: str, directory: str) -> dict[str, Any]:
     rank = runtime.context().rank
     _resharded(state.parallel.root)
     optimizer, why_not = _optimizer_pieces(state)
-    blob = {
+    blob: dict[str, Any] = {
         "rank": rank,
         "step": state.step,
         "model": {k: _piece(v) for k, v in _model_entries(state).items()},
@@ -142,7 +142,9 @@ def _piece(value: Any) -> Any:
     starts in it, and the local part on the CPU. Other values are kept as they are."""
     if not isinstance(value, torch.Tensor):
         return value
-    if hasattr(value, "device_mesh"):  # a DTensor: its local part and where that part sits
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):  # its local part and where that part sits
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         _, offset = compute_local_shape_and_global_offset(

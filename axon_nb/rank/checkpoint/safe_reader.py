@@ -23,11 +23,10 @@ import io
 import os
 import pickle
 import re
-from concurrent.futures import Future
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -35,6 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
 
 METADATA_FILE = ".metadata"
 
@@ -85,9 +85,10 @@ class SafeReader(FileSystemReader):
         path = os.path.join(self.path, name)
         with open(path, "rb") as f:
             metadata = _MetadataUnpickler(f, name).load_metadata()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None)  # (older files have none)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(
@@ -115,7 +116,7 @@ class SafeReader(FileSystemReader):
         byte_items = [item for item in plan.items if item.type == LoadItemType.BYTE_IO]
         collect = _Collect()
         if byte_items:
-            super().read_data(LoadPlan(byte_items), collect)  # type: ignore[arg-type]
+            super().read_data(LoadPlan(byte_items), collect)
         for item in byte_items:
             planner.load_bytes(item, _reserialized(collect.values[item.dest_index.fqn]))
         tensor_items = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
@@ -145,7 +146,7 @@ class SafeReader(FileSystemReader):
             if isinstance(md, BytesStorageMetadata)
         ]
         if items:
-            super().read_data(LoadPlan(items), _Collect())  # type: ignore[arg-type]
+            super().read_data(LoadPlan(items), _Collect())
         self.storage_data = {}
         return metadata
 
@@ -190,10 +191,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         return metadata
 
 
-class _Collect:
-    """The planner side of reading non-tensor entries: loads each as plain values only."""
+class _Collect(DefaultLoadPlanner):
+    """The planner side of reading non-tensor entries: loads each as plain values only (the
+    reader asks it for nothing else)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.values: dict[str, Any] = {}
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

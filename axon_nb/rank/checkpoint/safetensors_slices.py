@@ -67,7 +67,7 @@ class SafetensorsFiles:
             return
         direct = out.device.type == "cpu" and out.dtype == stored.dtype and out.is_contiguous()
         target = out if direct else torch.empty(out.shape, dtype=stored.dtype)
-        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        view = target.reshape(-1).view(torch.uint8).numpy().data  # (a memoryview)
         item = stored.dtype.itemsize
         fd = os.open(stored.path, os.O_RDONLY)
         try:

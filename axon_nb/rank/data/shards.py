@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sized
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
@@ -91,8 +91,9 @@ class StepBatches:
         per_rank = self.micro_batch * grad_accum
         self.steps_per_epoch = len(self.sampler) // per_rank
         if self.steps_per_epoch == 0:
+            samples = len(cast(Sized, dataset))  # (map-style: torch's Dataset type omits len)
             raise ValueError(
-                f"the dataset has {len(dataset)} samples: split over {world_size} ranks each "
+                f"the dataset has {samples} samples: split over {world_size} ranks each "
                 f"rank's shard holds {len(self.sampler)}, fewer than the {per_rank} one step "
                 f"takes per rank (batch_size={batch_size} / {world_size} ranks). Use a smaller "
                 "batch_size or more data"

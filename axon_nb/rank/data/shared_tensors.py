@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import pickle
 import shutil
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -89,8 +90,13 @@ def map_files(copies: dict[str, list[tuple[SharedTensor, str]]]) -> None:
     for meta, path in copies.get(runtime.context().host, []):
         dtype = getattr(torch, meta.dtype)
         nbytes = meta.numel * dtype.itemsize
-        storage = torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
-        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, meta.shape)
+        # (torch's stubs type from_file's result as any storage, and want set_'s strides)
+        storage = cast(
+            torch.UntypedStorage, torch.UntypedStorage.from_file(path, shared=True, nbytes=nbytes)
+        )
+        shape = meta.shape
+        row_major = tuple(math.prod(max(n, 1) for n in shape[i + 1 :]) for i in range(len(shape)))
+        tensor = torch.empty(0, dtype=dtype).set_(storage, 0, shape, row_major)
         _held[meta.key] = _Held(tensor, tensor._version)
 
 

@@ -48,10 +48,11 @@ def tensors(batch: Any) -> Iterator[torch.Tensor]:
 def _same_mapping(original: Mapping[Any, Any], items: dict[Any, Any]) -> Mapping[Any, Any]:
     """``items`` as ``type(original)`` where that type can be built from a dict (``dict``,
     ``OrderedDict``, ``UserDict``, ``BatchEncoding``), else as a plain ``dict``."""
-    if type(original) is dict:
+    kind: Any = type(original)  # (a Mapping's constructor takes what its class says)
+    if kind is dict:
         return items
     try:
-        return type(original)(items)  # type: ignore[call-arg]
+        return kind(items)
     except TypeError:  # e.g. a defaultdict, whose first argument is its factory
         return items
 

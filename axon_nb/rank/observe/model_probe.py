@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from axon_nb.parallel.expert_plan import stacked_experts
-from axon_nb.rank.observe.probe_passes import head, measure_pass, saved_counter, split_fixed
+from axon_nb.rank.observe.probe_passes import head, measure_pass, split_fixed
+from axon_nb.rank.observe.split_probe import measure_split
 from axon_nb.spec.pretrained_model import PretrainedModel
 
 
@@ -55,11 +56,54 @@ def profile_model(
     batch: tuple[Any, Any],
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Measure ``model`` on ``batch`` (an ``(input, target)`` pair of a few samples)."""
+    """Measure ``model`` on ``batch`` (an ``(input, target)`` pair of a few samples).
+    Example::
+
+        profile_model(nn.Linear(4, 2), (torch.randn(4, 4), torch.randn(4, 2)), mse)["layers"]
+    """
     inputs, target = batch
     samples = _samples(inputs)
     layers = _layers(model)
     plan = _plan(model)
+    rows, hooks = _rows(model, layers, plan)
+    model.zero_grad(set_to_none=True)
+    saved, peak, phase = measure_pass(
+        model, layers, inputs, target, loss_fn, forward=_forward, hooks=hooks
+    )
+    for row, layer_saved in zip(rows, saved, strict=True):
+        row["saved_bytes"] = layer_saved / samples
+        for key in PER_SAMPLE:
+            row[key] = row[key] / samples
+    if plan:
+        measure_split(model, rows, (inputs, target), loss_fn, plan, layers_of=_layers,
+                      forward=_forward, samples=samples)  # fmt: skip
+    working = _working_sets(model, layers, rows, batch, loss_fn, peak - sum(saved), phase)
+    # FLOPs count the parameters a token meets: of a mixture of experts, its top_k experts
+    idle = sum(sum(r.pop("_idle", {}).values()) for r in rows)
+    params = sum(r["params"] for r in rows) - idle
+    trainable = params - sum(r["frozen"] for r in rows)
+    tokens = _tokens(inputs) / samples
+    return {
+        "layers": rows,
+        "param_bytes": _param_bytes(model),
+        **working,
+        "flops": (4 * params + 2 * trainable) * tokens,
+        "tokens_per_sample": tokens,
+        "fsdp_units": _fsdp_units(model) if layers == [model] else [],
+        "probe_samples": samples,
+    }
+
+
+PER_SAMPLE = ("output_bytes", "colwise_in_bytes", "rowwise_out_bytes", "colwise_group_bytes",
+              "routed_bytes")  # fmt: skip
+"""A layer row's figures the probe's batch measured whole, kept per sample."""
+
+
+def _rows(
+    model: nn.Module, layers: list[nn.Module], plan: dict[str, str]
+) -> tuple[list[dict[str, Any]], list[Any]]:
+    """A row per layer (its sizes, whether it is a block) and the forward hooks that fill in
+    what the pass measures (outputs, tensor-parallel inputs and outputs, routed tokens)."""
     names = {id(m): n for n, m in model.named_modules()}
     split = [model.get_submodule(name) for name in plan]
     rows = [_layer_row(layer, names, split) for layer in layers]
@@ -70,39 +114,39 @@ def profile_model(
         layer.register_forward_hook(_record_output(row))
         for layer, row in zip(layers, rows, strict=True)
     ]
+
+    def owner(module: nn.Module) -> dict[str, Any]:
+        return next(r for layer, r in zip(layers, rows, strict=True) if _holds(layer, module))
+
     for name, style in plan.items():
         module = model.get_submodule(name)
-        owner = next(r for layer, r in zip(layers, rows, strict=True) if _holds(layer, module))
-        hooks.append(module.register_forward_hook(_record_tp(owner, style)))
+        hooks.append(module.register_forward_hook(_record_tp(owner(module), style)))
     for module in model.modules():
         if stacked_experts(module):
-            owner = next(r for layer, r in zip(layers, rows, strict=True) if _holds(layer, module))
-            owner["expert_params"] += sum(p.numel() for p in module.parameters(recurse=False))
-            owner["experts"] += module.num_experts
-            hooks.append(module.register_forward_hook(_record_routed(owner)))
-    model.zero_grad(set_to_none=True)
-    saved, peak, phase = measure_pass(
-        model, layers, inputs, target, loss_fn, forward=_forward, hooks=hooks
-    )
-    saved_total = sum(saved)
-    for row, layer_saved in zip(rows, saved, strict=True):
-        row["saved_bytes"] = layer_saved / samples
-        for key in (
-            "output_bytes",
-            "colwise_in_bytes",
-            "rowwise_out_bytes",
-            "colwise_group_bytes",
-            "routed_bytes",
-        ):
-            row[key] = row[key] / samples
-    if plan:
-        _measure_split(model, layers, rows, inputs, target, loss_fn, plan)
-    # The working set beyond the saved activations, measured at two batch sizes: the part
-    # that grows with the samples (activation gradients, the loss's temporaries) and the part
-    # that does not (a stacked experts weight's gradient pieces before they are summed). And
-    # all of it again under bf16 autocast, which keeps some activations in fp32 and saves
-    # bf16 copies of the weights.
-    extra = peak - saved_total
+            row = owner(module)
+            row["expert_params"] += sum(p.numel() for p in module.parameters(recurse=False))
+            row["experts"] += module.num_experts
+            hooks.append(module.register_forward_hook(_record_routed(row)))
+    return rows, hooks
+
+
+def _working_sets(
+    model: nn.Module,
+    layers: list[nn.Module],
+    rows: list[dict[str, Any]],
+    batch: tuple[Any, Any],
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    extra: float,
+    phase: str,
+) -> dict[str, Any]:
+    """The working set beyond the saved activations (``extra`` bytes at the main pass's peak,
+    in ``phase``), measured at two batch sizes: the part that grows with the samples
+    (activation gradients, the loss's temporaries) and the part that does not (a stacked
+    experts weight's gradient pieces before they are summed). And all of it again under bf16
+    autocast, which keeps some activations in fp32 and saves bf16 copies of the weights
+    (their per-layer figures go into ``rows``)."""
+    inputs, target = batch
+    samples = _samples(inputs)
     per_sample, fixed = max(0, extra) / samples, 0.0
     half_extra: tuple[float, float] = (0.0, 0.0)
     half_phase = phase
@@ -130,71 +174,14 @@ def profile_model(
             half_extra = split_fixed(
                 peak_h - sum(full_h), peak_small_h - sum(small_h), samples, fewer
             )
-    # FLOPs count the parameters a token meets: of a mixture of experts, its top_k experts
-    idle = sum(sum(r.pop("_idle", {}).values()) for r in rows)
-    params = sum(r["params"] for r in rows) - idle
-    trainable = params - sum(r["frozen"] for r in rows)
-    tokens = _tokens(inputs) / samples
     return {
-        "layers": rows,
-        "param_bytes": _param_bytes(model),
         "backward_extra_bytes": per_sample,
         "backward_fixed_bytes": fixed,
         "half_backward_extra_bytes": half_extra[0],
         "half_backward_fixed_bytes": half_extra[1],
         "working_set_phase": phase,
         "half_working_set_phase": half_phase,
-        "flops": (4 * params + 2 * trainable) * tokens,
-        "tokens_per_sample": tokens,
-        "fsdp_units": _fsdp_units(model) if layers == [model] else [],
-        "probe_samples": samples,
     }
-
-
-def _measure_split(
-    model: nn.Module,
-    layers: list[nn.Module],
-    rows: list[dict[str, Any]],
-    inputs: Any,
-    target: Any,
-    loss_fn: Any,
-    plan: dict[str, str],
-) -> None:
-    """Each layer's ``split_fraction``: run a copy of the model whose planned linears keep half
-    their split features (what each of 2 tensor-parallel ranks holds) and compare the saved
-    activations: a fraction f of them split halves the layer's bytes by f / 2."""
-    import copy
-
-    narrow = copy.deepcopy(model)
-    for name, style in plan.items():
-        parent, _, child = name.rpartition(".")
-        old = narrow.get_submodule(name)
-        cut = (old.in_features, old.out_features // 2) if style == "colwise" else (
-            old.in_features // 2, old.out_features)  # fmt: skip
-        holder = narrow.get_submodule(parent) if parent else narrow
-        new = nn.Linear(*cut, bias=old.bias is not None)
-        for mine, theirs in zip(new.parameters(), old.parameters(), strict=True):
-            mine.requires_grad_(theirs.requires_grad)  # a frozen layer saves less for backward
-        setattr(holder, child, new)
-    narrow_layers = _layers(narrow)
-    saved, current, pack = saved_counter(narrow, len(narrow_layers))
-    hooks = [
-        layer.register_forward_pre_hook(lambda *_, i=i: current.__setitem__(0, i))
-        for i, layer in enumerate(narrow_layers)
-    ]
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            _forward(narrow, narrow_layers, inputs, target, loss_fn)
-    except RuntimeError:  # the model's forward cannot run with narrowed layers
-        return
-    finally:
-        for hook in hooks:
-            hook.remove()
-    samples = _samples(inputs)
-    for row, half in zip(rows, saved, strict=True):
-        whole = row["saved_bytes"] * samples
-        if whole:
-            row["split_fraction"] = min(1.0, max(0.0, 2 * (whole - half) / whole))
 
 
 def _forward(

@@ -1,4 +1,5 @@
-"""The loop's one all-reduce per step, read a step late so the rank never waits for it.
+"""How the ranks agree: on each step's sums (``StepAgreement``, read a step late so the rank
+never waits for it), and on whether setting up failed anywhere (``agreed``).
 
 Every step the ranks sum a few numbers: the loss (for the global mean), and flags (stop, a
 checkpoint written, a checkpoint due). Reading a sum right away would make each rank wait:
@@ -23,16 +24,26 @@ Example (what the loop does each step)::
     # (on CPU ranks: torch.tensor([loss_value * share, stop]), local=[loss_value, norm])
     if len(agreement) > 1:
         (total, stops), (rank_loss, norm) = agreement.take()
+
+User code run while setting up (the model, the data) may fail on some ranks only; ``agreed``
+runs it on every rank and then all-reduces who failed, so no rank is left waiting in a later
+collective::
+
+    model = agreed(ctx, make_model)   # raises there, PeerFailed on the others
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from axon_nb.rank import runtime
+
+T = TypeVar("T")
 
 
 class _Posted(NamedTuple):
@@ -71,8 +82,8 @@ class StepAgreement:
         if summed.device.type != "cuda":  # waited for when taken (no lockstep), or now
             if self.lockstep and work is not None:
                 work.wait()
-            own = local.to(summed.dtype).tolist() if isinstance(local, torch.Tensor) else local
-            self._pending.append(_Posted(summed, list(own), work, None))
+            numbers = local.to(summed.dtype).tolist() if isinstance(local, torch.Tensor) else local
+            self._pending.append(_Posted(summed, list(numbers), work, None))
             return
         if work is not None:
             work.wait()  # on NCCL only the compute stream waits for the sum: no host wait
@@ -96,3 +107,40 @@ class StepAgreement:
     def __len__(self) -> int:
         """Steps posted and not yet taken."""
         return len(self._pending)
+
+
+class PeerFailed(RuntimeError):
+    """Setting up failed on other ranks (``ranks``); they raise their own error."""
+
+    def __init__(self, ranks: list[int]) -> None:
+        super().__init__(f"setting up failed on rank(s) {ranks}: see their error")
+        self.ranks = ranks
+
+
+def agreed(ctx: runtime.RankContext, fn: Callable[[], T]) -> T:
+    """``fn()`` run on every rank; if it raised anywhere, it raises there and
+    :class:`PeerFailed` on the others (one all-reduce).
+
+    Example::
+
+        dataset = agreed(ctx, lambda: resolve_dataset(spec.data, ctx.rank))
+    """
+    try:
+        value = fn()
+    except Exception:
+        _failed_ranks(ctx, failed=True)
+        raise
+    failed = _failed_ranks(ctx, failed=False)
+    if failed:
+        raise PeerFailed(failed)
+    return value
+
+
+def _failed_ranks(ctx: runtime.RankContext, *, failed: bool) -> list[int]:
+    """The ranks whose ``failed`` is true (every rank calls it)."""
+    if ctx.world_size == 1:
+        return [0] if failed else []
+    flags = torch.zeros(ctx.world_size, device=ctx.device)
+    flags[ctx.rank] = float(failed)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -34,7 +35,8 @@ def generate_run(
     ctx = runtime.context()
     state = trainstate.get(name)
     module = state.module
-    if not callable(getattr(module, "generate", None)):
+    generate = getattr(module, "generate", None)
+    if not callable(generate):
         raise TypeError(
             f"{name!r} is a {type(module).__name__}, which has no generate(): generate runs "
             "transformers causal LMs (e.g. LlamaForCausalLM); call cluster.predict for other "
@@ -55,7 +57,7 @@ def generate_run(
     devices = [ctx.device] if ctx.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), eval_mode(module), torch.no_grad():
         torch.manual_seed(seed)
-        tokens = module.generate(input_ids=ids, max_new_tokens=max_new_tokens, **kwargs)
+        tokens = generate(input_ids=ids, max_new_tokens=max_new_tokens, **kwargs)
     sequences = getattr(tokens, "sequences", tokens)  # return_dict_in_generate=True
     first = not dist.is_initialized() or dist.get_rank() == 0
     return sequences.cpu() if first else None
@@ -67,6 +69,10 @@ def _gather_around_generate(module: torch.nn.Module) -> None:
     forward, so FSDP would not gather them. Once per module; a no-op without FSDP."""
     from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
-    if isinstance(module, FSDPModule) and not getattr(module, "_axon_generate_gathers", False):
+    if isinstance(module, FSDPModule) and module not in _GATHERING:
         register_fsdp_forward_method(module, "generate")
-        module._axon_generate_gathers = True  # type: ignore[attr-defined]
+        _GATHERING.add(module)
+
+
+_GATHERING: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Modules whose ``generate`` FSDP gathers around already (registered once each)."""

@@ -1,7 +1,9 @@
 """The training loop that runs on every rank, start to finish, with no round trip to the kernel.
 
 ``train_on_rank`` is what ``cluster.train`` calls on each engine; ``run`` is the loop itself,
-also used in one process by ``axon_nb.train_local``.
+also used in one process by ``axon_nb.train_local``. A run is built in ``build.py`` (fresh)
+or ``resume.py`` (``resume=True``); the ranks' per-step sums are read as ``agreement.py``
+says.
 """
 
 from __future__ import annotations
@@ -12,42 +14,34 @@ import time
 from collections import deque
 from typing import Any
 
-import cloudpickle
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.utils.data import IterableDataset
 
 from axon_nb.metrics import memory
 from axon_nb.metrics.comm import CommMeter
 from axon_nb.metrics.memory import peak_parts
 from axon_nb.metrics.peak import PeakTracker, mark_phase
 from axon_nb.metrics.stream import MetricsPublisher
-from axon_nb.parallel.parallelize import parallelize
-from axon_nb.parallel.param_groups import GroupPlan, plan_groups
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint.checkpoint_schedule import PeriodicCheckpoints
-from axon_nb.rank.data.iterable import IterableSteps
-from axon_nb.rank.data.shards import StepBatches, resolve_dataset
 from axon_nb.rank.observe.step_trace import StepTrace
-from axon_nb.rank.training import meta_init, model_loss, trainstate
-from axon_nb.rank.training.agreement import StepAgreement
+from axon_nb.rank.training import model_loss
+from axon_nb.rank.training.agreement import PeerFailed, StepAgreement
+from axon_nb.rank.training.build import Batches, fresh
 from axon_nb.rank.training.evaluation import PeerEvalFailed
-from axon_nb.rank.training.optimizer_setup import grad_scaler, optimizer_factory
+from axon_nb.rank.training.micro_step import MicroStep
 from axon_nb.rank.training.periodic_eval import PeriodicEval
-from axon_nb.rank.training.relayout import relayout
-from axon_nb.rank.training.trainstate import LRShape, TrainState
+from axon_nb.rank.training.resume import resume
+from axon_nb.rank.training.trainstate import TrainState
 from axon_nb.rank.world.interrupts import StopSignal
-from axon_nb.spec.pretrained_model import PretrainedModel
 from axon_nb.spec.train_spec import TrainSpec
 
 
-def train_on_rank(spec_bytes: bytes, run_id: str, stop: StopSignal) -> dict[str, Any]:
-    """Engine entry point: unpickle the spec, train, stream metrics, return this rank's summary."""
+def train_on_rank(spec: TrainSpec, run_id: str, stop: StopSignal) -> dict[str, Any]:
+    """Engine entry point: train, stream metrics, return this rank's summary."""
     from ipyparallel.datapub import publish_data
     from IPython import get_ipython
 
-    spec: TrainSpec = cloudpickle.loads(spec_bytes)
     summary, state = run(spec, runtime.context(), sink=publish_data, run_id=run_id, stop=stop)
     shell = get_ipython()
     if state is not None and shell is not None:
@@ -76,7 +70,7 @@ def run(
     with contextlib.nullcontext(stop) if stop is not None else StopSignal() as stop:
         try:
             state, batches, evals = _prepare(spec, ctx)
-        except (_PeerFailed, PeerEvalFailed) as e:
+        except (PeerFailed, PeerEvalFailed) as e:
             return {"rank": ctx.rank, "aborted": e.ranks}, None
         start_step = state.step
         layout_change = next(
@@ -129,190 +123,11 @@ def run(
     return summary, state
 
 
-Batches = StepBatches | IterableSteps
-"""A run's data, step by step: map-style (``data/shards.py``) or a stream (``data/iterable.py``)."""
-
-
-class _PeerFailed(Exception):
-    def __init__(self, ranks: list[int]) -> None:
-        self.ranks = ranks
-
-
 def _prepare(
     spec: TrainSpec, ctx: runtime.RankContext
 ) -> tuple[TrainState, Batches, PeriodicEval | None]:
-    """The run's state (fresh or resumed), its data and its evaluations (checked on their
-    first batch before anything is stored); user code failing on some ranks only is agreed
-    on first, so no rank is left waiting in a collective."""
-    if spec.resume:
-        return _resume(spec, ctx)
-
-    pretrained = spec.model if isinstance(spec.model, PretrainedModel) else None
-
-    def build() -> tuple[nn.Module, Any, Batches, GroupPlan]:
-        torch.manual_seed(spec.seed)  # the same initial parameters on every rank
-        if pretrained is not None:  # parameters on meta: weights are read once laid out
-            model = meta_init.build(pretrained)
-        elif isinstance(spec.model, nn.Module):
-            model = spec.model
-        else:
-            model = spec.model()
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"model must be an nn.Module or a callable returning one; it returned "
-                f"{type(model).__name__}"
-            )
-        groups = plan_groups(model, spec.param_groups, spec.no_decay)
-        dataset = resolve_dataset(spec.data, ctx.rank)
-        return model, dataset, _batches(spec, ctx, dataset), groups
-
-    model, dataset, batches, groups = _agreed(ctx, build)
-    dims = spec.strategy.dims(ctx.world_size, ctx.local_world_size)
-    parallel = parallelize(
-        model.to(ctx.device) if pretrained is None else model,
-        dims,
-        spec.strategy.config(),
-        ctx.device,
-        compile=spec.compile,
-        groups=groups,
-        materialize=meta_init.loader(pretrained, model, ctx.device) if pretrained else None,
-    )
-    optimizer = parallel.build_optimizer(optimizer_factory(spec, ctx.device))
-    lr_shape = LRShape(warmup_steps=spec.warmup_steps, horizon=spec.steps, shape=spec.schedule)
-    if spec.scheduler is not None:
-        scheduler = spec.scheduler(optimizer)
-        if not isinstance(scheduler, torch.optim.lr_scheduler.LRScheduler):
-            raise TypeError(
-                f"scheduler= must return a torch.optim.lr_scheduler.LRScheduler for the "
-                f"optimizer it is given, got {type(scheduler).__name__}"
-            )
-    else:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_shape)
-    state = TrainState(
-        name=spec.name,
-        strategy=spec.strategy,
-        parallel=parallel,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        lr_shape=lr_shape,
-        own_scheduler=spec.scheduler is not None,
-        scaler=grad_scaler(ctx) if spec.mixed_precision == "fp16" else None,
-        dataset=dataset,
-    )
-    evals = _evaluations(spec, ctx, state)
-    torch.manual_seed(spec.seed + 1 + ctx.rank)  # dropout and friends differ across ranks
-    trainstate.put(state)
-    return state, batches, evals
-
-
-def _resume(
-    spec: TrainSpec, ctx: runtime.RankContext
-) -> tuple[TrainState, Batches, PeriodicEval | None]:
-    state = trainstate.get(spec.name)
-    dataset = state.dataset if spec.data is None else resolve_dataset(spec.data, ctx.rank)
-    batches = _batches(spec, ctx, dataset)
-    plan = state.parallel.groups
-    if spec.param_groups is not None or spec.no_decay is not None:
-        _check_same_groups(spec, state)
-    changes = spec.optimizer_kwargs
-    unknown = [k for k in changes if k not in state.optimizer.param_groups[0]]
-    if unknown:
-        raise ValueError(
-            f"resume=True keeps the optimizer and can only change its existing settings "
-            f"({', '.join(sorted(state.optimizer.param_groups[0]))}); unknown: {unknown}"
-        )
-    if state.own_scheduler and "lr" in changes:
-        raise ValueError(
-            f"{spec.name!r} runs with its own scheduler=, which sets the learning rate; resume "
-            "without optimizer lr (other settings may change), or train afresh"
-        )
-    if spec.strategy != state.strategy:  # moved in memory; unchanged if that fails
-        state = relayout(spec, ctx, state)
-    evals = _evaluations(spec, ctx, state)
-    # Only now, with every input checked, does the stored state change.
-    state.dataset = dataset
-    # a group keeps what it chose itself (param_groups=, no_decay=): e.g. its own lr
-    for index, group in enumerate(state.optimizer.param_groups):
-        group.update({k: v for k, v in changes.items() if not plan.sets_itself(index, k)})
-    if state.own_scheduler:  # its own schedule goes on where it was
-        return state, batches, evals
-    if "lr" in changes:
-        state.scheduler.base_lrs = [
-            base if plan.sets_itself(index, "lr") else changes["lr"]
-            for index, base in enumerate(state.scheduler.base_lrs)
-        ]
-    # Steps count from the run's start, so resuming with the same arguments after a stop
-    # continues the schedule exactly; training past the old end stretches the decay.
-    state.lr_shape.warmup_steps = spec.warmup_steps
-    state.lr_shape.shape = spec.schedule
-    state.lr_shape.horizon = max(state.lr_shape.horizon, state.step + spec.steps)
-    factor = state.lr_shape(state.step)
-    for group, base in zip(state.optimizer.param_groups, state.scheduler.base_lrs, strict=True):
-        group["lr"] = base * factor
-    return state, batches, evals
-
-
-def _evaluations(spec: TrainSpec, ctx: runtime.RankContext, state: TrainState) -> Any:
-    """The run's :class:`PeriodicEval` with its first batch evaluated (None without
-    ``eval_data``); its data is resolved on every rank first (agreed)."""
-    if spec.eval_data is None:
-        return None
-    autocast = _MicroStep(spec, ctx, None, state.module).autocast
-    last = state.step + spec.steps
-    evals = _agreed(ctx, lambda: PeriodicEval(spec, ctx, state, autocast, last_step=last))
-    evals.check()
-    return evals
-
-
-def _check_same_groups(spec: TrainSpec, state: TrainState) -> None:
-    """A resumed run keeps its optimizer's groups: ``param_groups``/``no_decay`` given again
-    must make the same ones."""
-    again = plan_groups(state.module, spec.param_groups, spec.no_decay)
-    if again != state.parallel.groups:
-        raise ValueError(
-            f"resume=True keeps the parameter groups {spec.name!r} trains with; these "
-            f"param_groups=/no_decay= group its parameters differently ({again.options} "
-            f"against {state.parallel.groups.options}). Leave them out to keep the run's, "
-            "or train afresh (resume=False)"
-        )
-
-
-def _batches(spec: TrainSpec, ctx: runtime.RankContext, dataset: Any) -> Batches:
-    dims = spec.strategy.dims(ctx.world_size, ctx.local_world_size)
-    index, replicas = dims.data_rank(ctx.rank)
-    common = dict(
-        batch_size=spec.batch_size,
-        grad_accum=spec.grad_accum,
-        rank=index,
-        world_size=replicas,
-        device=ctx.device,
-        loader=spec.loader,
-    )
-    if isinstance(dataset, IterableDataset):
-        return IterableSteps(dataset, **common)
-    return StepBatches(dataset, seed=spec.seed, **common)
-
-
-def _agreed(ctx: runtime.RankContext, fn: Any) -> Any:
-    """Run ``fn`` on every rank; if it raised anywhere, raise there and stop the others."""
-    error: BaseException | None = None
-    value = None
-    try:
-        value = fn()
-    except Exception as e:
-        error = e
-    if ctx.world_size > 1:
-        flags = torch.zeros(ctx.world_size, device=ctx.device)
-        flags[ctx.rank] = float(error is not None)
-        dist.all_reduce(flags)
-        failed = [r for r, f in enumerate(flags.tolist()) if f]
-    else:
-        failed = [0] if error else []
-    if error is not None:
-        raise error
-    if failed:
-        raise _PeerFailed(failed)
-    return value
+    """The run's state (fresh or resumed), its data and its evaluations."""
+    return resume(spec, ctx) if spec.resume else fresh(spec, ctx)
 
 
 class _Loop:
@@ -332,7 +147,7 @@ class _Loop:
         self.agreement = StepAgreement(ctx.world_size, ctx.device, lockstep=pipelined)
         self._records: deque[dict[str, Any]] = deque()
         """Metrics of steps whose agreement is not read yet (see ``agreement.py``)."""
-        self.micro = _MicroStep(spec, ctx, state.scaler, state.module)
+        self.micro = MicroStep(spec, ctx, state.scaler, state.module)
         self.evals: PeriodicEval | None = None
         self.trace = None
         if spec.trace is not None:
@@ -561,38 +376,3 @@ class _Loop:
             comm_totals=self.meter.totals(),
             **fields,
         )
-
-
-class _MicroStep:
-    """Loss and backward of one micro-batch: autocast, the user's loss, the grad scaler."""
-
-    def __init__(
-        self, spec: TrainSpec, ctx: runtime.RankContext, scaler: Any, model: nn.Module
-    ) -> None:
-        self.loss_fn = spec.loss
-        self.rule = model_loss.LossRule(spec.loss, model)
-        self.device_type = ctx.device.type
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-        self.dtype = dtypes.get(spec.mixed_precision or "")
-        self.scaler = scaler
-
-    def loss(
-        self, model: nn.Module, batch: Any, num_items: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The micro-batch's loss under autocast (``axon_nb.rank.training.model_loss``)."""
-        with self.autocast():
-            return self.rule.forward(model, batch, num_items)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.scale(loss).backward()
-
-    def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times the fp16 loss scale (unchanged without fp16)."""
-        return self.scaler.scale(loss) if self.scaler is not None else loss
-
-    def unscale(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` divided by the fp16 loss scale (unchanged without fp16)."""
-        return loss / self.scaler.get_scale() if self.scaler is not None else loss
-
-    def autocast(self) -> torch.autocast:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype is not None)

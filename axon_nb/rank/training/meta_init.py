@@ -33,6 +33,9 @@ from axon_nb.parallel.activation_checkpoint import canonical_name
 from axon_nb.rank.checkpoint.safetensors_slices import SafetensorsFiles
 from axon_nb.spec.pretrained_model import MODEL_OPTIONS, PretrainedModel
 
+_Store = dict[str, Any]
+"""A module's ``_parameters`` or ``_buffers``: tensors by name (None for a slot left empty)."""
+
 _SHOWN = 5
 """Names listed in an error before "and N more"."""
 
@@ -49,16 +52,16 @@ def parameters_on_meta() -> Iterator[None]:
     """
     register = nn.Module.register_parameter
 
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def on_meta(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+        register(self, name, param)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]  # for the block
     try:
         yield
     finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.Module.register_parameter = register  # type: ignore[method-assign]  # put back
 
 
 def build(spec: PretrainedModel) -> nn.Module:
@@ -101,7 +104,7 @@ def materialize(
     embeddings) stay shared.
     """
     keys = _keys_by_tensor(root, files)  # by identity: named before anything is replaced
-    slots = [
+    slots: list[tuple[_Store, str, int]] = [
         (store, name, id(tensor))
         for module in part.modules()
         for store in (module._parameters, module._buffers)
@@ -241,4 +244,4 @@ def _transformers_model(spec: PretrainedModel, files: SafetensorsFiles) -> nn.Mo
     if model_options.get("dtype", "auto") == "auto":
         model_options["dtype"] = config.dtype or files.floating_dtype()
     make = getattr(cls, "from_config", None) or cls._from_config
-    return make(config, **model_options)  # type: ignore[no-any-return]
+    return make(config, **model_options)

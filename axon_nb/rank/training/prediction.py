@@ -15,7 +15,7 @@ to a file instead and only the paths come back. Example::
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sized
 from typing import Any
 
 import torch
@@ -38,6 +38,11 @@ def predict_run(name: str, data: Any, *, batch_size: int, output_dir: str | None
     ctx = runtime.context()
     parallel = trainstate.get(name).parallel
     dataset = resolve_dataset(data, ctx.rank)
+    if not isinstance(dataset, Sized):
+        raise TypeError(
+            f"predict reads a map-style dataset (with __len__ and __getitem__); got "
+            f"{type(dataset).__name__}, which has no length"
+        )
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     index, dp = parallel.dims.data_rank(ctx.rank) if distributed else (0, 1)
     coords = parallel.dims.coords(ctx.rank) if distributed else {"tp": 0, "pp": 0}

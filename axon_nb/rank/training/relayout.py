@@ -11,7 +11,9 @@
 
 If laying out the new strategy fails (a pipeline cut the model cannot take, a plan that names
 nothing), the old layout is rebuilt from the copy the same way and the error raised: the run
-stays usable as it was. Example (what the loop does)::
+stays usable as it was. A run with its own ``scheduler=`` needs it again, and what it returns
+must be an ``LRScheduler`` (as for a fresh run, ``build.new_state``): that is checked on the
+old optimizer before anything is let go. Example (what the loop does)::
 
     state = relayout(spec, ctx, state)   # now under spec.strategy, same step
 """
@@ -26,97 +28,121 @@ from typing import Any
 import torch
 from torch import nn
 
-from axon_nb.parallel.parallelize import OptimizerFactory, parallelize
+from axon_nb.parallel.parallelize import OptimizerFactory, ParallelModel, parallelize
+from axon_nb.parallel.param_groups import GroupPlan
 from axon_nb.rank import runtime
 from axon_nb.rank.training import trainstate
+from axon_nb.rank.training.build import SchedulerFactory, new_state, user_scheduler
 from axon_nb.rank.training.trainstate import TrainState
 from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.strategies import Strategy
+
+Layout = tuple[ParallelModel, torch.optim.Optimizer]
+"""A model laid out by a strategy, and its optimizer."""
 
 
 def copy_run(spec: TrainSpec, ctx: runtime.RankContext, source: TrainState) -> TrainState:
     """A new run named ``spec.name`` under ``spec.strategy`` with ``source``'s state (model,
     optimizer, step, schedule); ``source`` stays as it is (``compare(from_state=True)``)."""
     make = _model_source(spec, source)
+    scheduler = _scheduler_source(spec, source)
     full = source.parallel.get_state(source.optimizer, full=True, every_rank=True)
     full = _copied(full)  # (on CPU ranks it may share storage with the source's tensors)
-    optimizer_cls = type(getattr(source.optimizer, "optim", source.optimizer))
+    optimizer_cls = _optimizer_class(source.optimizer)
     new = _build(spec.strategy, make(), full, optimizer_cls, source.parallel.groups, ctx, spec)
-    return _state(spec, source, new, source.scheduler.state_dict(), change=None)
+    return _state(spec, source, new, source.scheduler.state_dict(), scheduler, change=None)
 
 
 def relayout(spec: TrainSpec, ctx: runtime.RankContext, state: TrainState) -> TrainState:
     """``state``'s run under ``spec.strategy`` (every rank calls it); the old one is gone."""
     started = time.perf_counter()
     make = _model_source(spec, state)
-    own_scheduler = spec.scheduler
-    if state.own_scheduler and own_scheduler is None:
-        raise ValueError(
-            f"{state.name!r} runs with its own scheduler=, which must be built again for the "
-            "new layout's optimizer: pass the same scheduler= with resume=True"
-        )
+    scheduler = _scheduler_source(spec, state)
+    if scheduler is not None:  # refused while the run can still go on as it was
+        _try_scheduler(scheduler, state.optimizer)
     full = state.parallel.get_state(state.optimizer, full=True, every_rank=True)
-    optimizer_cls = type(getattr(state.optimizer, "optim", state.optimizer))
-    carried = {
-        "scheduler": state.scheduler.state_dict(),
-        "groups": state.parallel.groups,
-        "old": state.strategy,
-    }
+    optimizer_cls = _optimizer_class(state.optimizer)
+    scheduler_state = state.scheduler.state_dict()
+    groups, old = state.parallel.groups, state.strategy
     _let_go(state)
     try:
-        new = _build(spec.strategy, make(), full, optimizer_cls, carried["groups"], ctx, spec)
+        new = _build(spec.strategy, make(), full, optimizer_cls, groups, ctx, spec)
     except Exception:  # the run as it was, from the copy
-        back = _build(carried["old"], make(), full, optimizer_cls, carried["groups"], ctx, spec)
-        as_before = dataclasses.replace(spec, strategy=carried["old"], name=state.name)
-        _state(as_before, state, back, carried["scheduler"], change=None)
+        back = _build(old, make(), full, optimizer_cls, groups, ctx, spec)
+        as_before = dataclasses.replace(spec, strategy=old, name=state.name)
+        _state(as_before, state, back, scheduler_state, scheduler, change=None)
         raise
     change = {
         "step": state.step,
-        "from": carried["old"].describe(),
+        "from": old.describe(),
         "to": spec.strategy.describe(),
         "seconds": time.perf_counter() - started,
     }
-    return _state(spec, state, new, carried["scheduler"], change=change)
+    return _state(spec, state, new, scheduler_state, scheduler, change=change)
 
 
 def _state(
     spec: TrainSpec,
     old: TrainState,
-    new: tuple[Any, torch.optim.Optimizer],
+    new: Layout,
     scheduler_state: dict[str, Any],
+    scheduler: SchedulerFactory | None,
     change: dict[str, Any] | None,
 ) -> TrainState:
     """The run named ``spec.name`` in its new layout, stored: ``old``'s schedule, scaler, data
     and step around the new model and optimizer."""
     parallel, optimizer = new
-    lrs = [group["lr"] for group in optimizer.param_groups]  # as loaded
-    if old.own_scheduler:
-        if spec.scheduler is None:
-            raise ValueError(
-                f"{old.name!r} runs with its own scheduler=, which must be built again for the "
-                "new layout's optimizer: pass the same scheduler= with resume=True"
-            )
-        scheduler = spec.scheduler(optimizer)
-    else:
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, deepcopy(old.lr_shape))
-    scheduler.load_state_dict(scheduler_state)
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):  # (a new scheduler set it)
-        group["lr"] = lr
-    state = TrainState(
-        name=spec.name,
-        strategy=spec.strategy,
-        parallel=parallel,
-        optimizer=optimizer,
+    state = new_state(
+        spec,
+        parallel,
+        optimizer,
         scheduler=scheduler,
-        lr_shape=scheduler.lr_lambdas[0] if not old.own_scheduler else old.lr_shape,
-        own_scheduler=old.own_scheduler,
+        lr_shape=deepcopy(old.lr_shape),
         scaler=deepcopy(old.scaler),
         dataset=old.dataset,
         step=old.step,
+        scheduler_state=scheduler_state,
         layout_changes=[*old.layout_changes, *([change] if change else [])],
     )
     trainstate.put(state)
     return state
+
+
+def _scheduler_source(spec: TrainSpec, state: TrainState) -> SchedulerFactory | None:
+    """What builds the schedule for the new layout's optimizer: this call's ``scheduler=``
+    for a run with its own (required), else None (the built-in one goes on)."""
+    if not state.own_scheduler:
+        return None
+    if spec.scheduler is None:
+        raise ValueError(
+            f"{state.name!r} runs with its own scheduler=, which must be built again for the "
+            "new layout's optimizer: pass the same scheduler= with resume=True"
+        )
+    return spec.scheduler
+
+
+def _try_scheduler(scheduler: SchedulerFactory, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse a ``scheduler=`` that does not return an ``LRScheduler`` before the old layout
+    is let go: it is built once on the old optimizer and dropped, and the settings it set
+    there (learning rates, a cycle's momentum) are put back."""
+    saved = [_copied({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups]
+    try:
+        user_scheduler(scheduler, optimizer)
+    finally:
+        for group, settings in zip(optimizer.param_groups, saved, strict=True):
+            for key in [k for k in group if k != "params" and k not in settings]:
+                del group[key]
+            for key, value in settings.items():
+                if isinstance(value, torch.Tensor) and isinstance(group[key], torch.Tensor):
+                    group[key].copy_(value)  # (a scheduler sets a tensor lr in place)
+                else:
+                    group[key] = value
+
+
+def _optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+    """The ``torch.optim`` class under ``optimizer`` (a ZeRO wrapper keeps it as ``optim``)."""
+    inner: torch.optim.Optimizer = getattr(optimizer, "optim", optimizer)
+    return type(inner)
 
 
 def _copied(state: Any) -> Any:
@@ -154,9 +180,9 @@ def _let_go(state: TrainState) -> None:
         shell = None
     if shell is not None and shell.user_ns.get(state.name) is state.model:
         del shell.user_ns[state.name]
-    state.parallel = None  # type: ignore[assignment]
-    state.optimizer = None  # type: ignore[assignment]
-    state.scheduler = None  # type: ignore[assignment]  # (it holds the optimizer)
+    # emptied, not typed as optional: a stored run always has them (the scheduler holds the
+    # optimizer); a failed move stores the rebuilt old layout in a new state
+    state.parallel = state.optimizer = state.scheduler = None  # type: ignore[assignment]  # let go
 
 
 def _build(
@@ -164,10 +190,10 @@ def _build(
     model: nn.Module,
     full: dict[str, Any],
     optimizer_cls: type[torch.optim.Optimizer],
-    groups: Any,
+    groups: GroupPlan,
     ctx: runtime.RankContext,
     spec: TrainSpec,
-) -> tuple[Any, torch.optim.Optimizer]:
+) -> Layout:
     """``model`` laid out by ``strategy`` with ``full`` loaded: (parallel, optimizer)."""
     dims = strategy.dims(ctx.world_size, ctx.local_world_size)
     parallel = parallelize(

@@ -36,6 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any, cast
 
 from axon_nb.rank.world.forked_engine import ENGINE_MODULE
 from axon_nb.rank.world.launch import kill_tree, set_death_signal
@@ -186,8 +187,8 @@ class _Server:
                 elif key.fileobj == self.wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self.wake_r, 4096)
-                else:
-                    self._closed(key.fileobj)  # type: ignore[arg-type]
+                elif isinstance(key.fileobj, socket.socket):  # (a parent's connection)
+                    self._closed(key.fileobj)
             self._reap()
 
     def _import_later_modules(self) -> None:
@@ -354,7 +355,7 @@ def _run_engine(request: dict) -> int:
         code = -signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1
     # As an interpreter exits: wait for its other threads, then run the atexit functions.
     with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]
+        cast(Any, threading)._shutdown()  # (private: typeshed does not declare it)
     with contextlib.suppress(BaseException):
         atexit._run_exitfuncs()
     return code

@@ -86,10 +86,11 @@ class ForkedNanny:
             os.kill(self.pid, signal.SIGKILL)
             os.waitpid(self.pid, 0)
         print("axon_nb: the forked nanny failed; starting it as a process", file=sys.stderr)
-        start = self._ipyparallel_start
-        if start is None:
-            from ipyparallel.engine.nanny import start_nanny as start
-        return start(**settings)
+        if self._ipyparallel_start is not None:
+            return self._ipyparallel_start(**settings)
+        from ipyparallel.engine.nanny import start_nanny
+
+        return start_nanny(**settings)
 
     def replace_ipyparallel_start(self) -> None:
         """Have ipyparallel's engine take this nanny instead of starting one."""

@@ -43,9 +43,9 @@ class _ClearInteractive(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType, run: Any = run) -> None:
             run(module)
-            module._IS_INTERACTIVE = False  # type: ignore[attr-defined]
+            module.__dict__["_IS_INTERACTIVE"] = False
 
-        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # (this one loader)
         return spec
 
 
@@ -53,6 +53,6 @@ def install() -> None:
     """Clear the flag where Lightning is loaded already, and as it loads from now on (once)."""
     for name in FLAG_MODULES:
         if name in sys.modules:
-            sys.modules[name]._IS_INTERACTIVE = False  # type: ignore[attr-defined]
+            sys.modules[name].__dict__["_IS_INTERACTIVE"] = False
     if not any(isinstance(f, _ClearInteractive) for f in sys.meta_path):
         sys.meta_path.insert(0, _ClearInteractive())

@@ -15,7 +15,7 @@ import gc
 import os
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 from axon_nb.rank import runtime
 from axon_nb.rank.world import kept_world, lightning_ranks
@@ -85,10 +85,11 @@ def collectives_issued() -> dict[str, int]:
 
     if not dist.is_initialized():
         return {}
-    counts = {}
+    counts: dict[str, int] = {}
     for group, name in dist.distributed_c10d._world.pg_names.items():
         with contextlib.suppress(Exception):  # a backend without sequence numbers
-            counts[name] = group._get_sequence_number_for_group()
+            # (torch's stubs declare only the setter of a group's sequence number)
+            counts[name] = cast(Any, group)._get_sequence_number_for_group()
     return counts
 
 
