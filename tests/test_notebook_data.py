@@ -137,18 +137,6 @@ def test_a_copy_written_on_a_rank_is_sent_again(
     )
 
 
-def test_nothing_stays_in_dev_shm_after_the_cluster_stops(
-    pooled_cluster_2: axon_nb.Cluster,
-) -> None:
-    # A transfer cut short leaves its file: the engine's parent removes it when the engine ends.
-    piece = ("cut-short", 1 << 20, 0, bytes(4096))
-    made = pooled_cluster_2.run(entry.shared_write, [piece], ranks=[0], stream=False)[0]
-    assert os.path.exists(made["cut-short"])
-    pids = [r["pid"] for r in pooled_cluster_2.ranks]
-    pooled_cluster_2.stop()
-    assert [p for pid in pids for p in leftovers(pid)] == []
-
-
 def test_eval_data_and_the_data_of_evaluate_and_predict_are_shared_the_same_way(
     pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
@@ -173,3 +161,15 @@ def test_eval_data_and_the_data_of_evaluate_and_predict_are_shared_the_same_way(
     assert shared == whole
     assert torch.equal(outputs, pooled_cluster_2.predict(lambda: held_out, batch_size=64,
                                                          name="shared_eval"))  # fmt: skip
+
+
+def test_nothing_stays_in_dev_shm_after_the_cluster_stops(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    # A transfer cut short leaves its file: the engine's parent removes it when the engine ends.
+    piece = ("cut-short", 1 << 20, 0, bytes(4096))
+    made = pooled_cluster_2.run(entry.shared_write, [piece], ranks=[0], stream=False)[0]
+    assert os.path.exists(made["cut-short"])
+    pids = [r["pid"] for r in pooled_cluster_2.ranks]
+    pooled_cluster_2.stop()
+    assert [p for pid in pids for p in leftovers(pid)] == []

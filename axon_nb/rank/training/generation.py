@@ -48,6 +48,7 @@ def generate_run(
             "it under DDP, FSDP or TensorParallel to generate"
         )
     _gather_around_generate(module)
+    generate = getattr(module, "generate", generate)  # again: FSDP has just wrapped it
     ids = torch.as_tensor(input_ids).to(ctx.device)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
