@@ -24,9 +24,13 @@ import signal
 import threading
 from types import FrameType
 
-RUNNERS = {("run_code", "interactiveshell.py"), ("do_apply", "kernel.py")}
-"""(function, file) of the frames that run the user's code: IPython's cell runner and
-ipyparallel's function-call handler."""
+RUNNERS = {
+    ("run_code", "interactiveshell.py"),
+    ("do_apply", "kernel.py"),
+    ("run_relayed", "relay.py"),
+}
+"""(function, file) of the frames that run the user's code: IPython's cell runner,
+ipyparallel's function-call handler and the host relay's (``rank/world/relay.py``)."""
 MACHINERY = ("IPython", "ipykernel", "ipyparallel")
 """Packages whose frames directly below a runner are its bookkeeping, not the user's code."""
 RETRY_S = 0.05

@@ -1,16 +1,22 @@
 """One path to the ranks (issue 47): every message for the engines leaves the kernel through
 ``cluster/sending.py``'s ``dispatch`` (features through ``Transport.send``/``run``, the
 control channel through ``Transport.control_call``), and a call for many ranks is one
-broadcast message whose replies stay each rank's own."""
+message per host (the host relay) whose outcomes stay each rank's own and come back about
+one message per host; the relay's sockets are the user's alone."""
 
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
 
 import pytest
+from other_users import STRANGER, SYSTEM_PYTHON, as_user
+from other_users import missing as users_missing
 
 import axon_nb
+from axon_nb.cluster.relay import relay_of
 from axon_nb.rank import entry
 
 PACKAGE = pathlib.Path(axon_nb.__file__).parent
@@ -44,13 +50,74 @@ def test_only_sending_dispatch_hands_ipyparallel_a_message() -> None:
 
 @pytest.mark.cluster
 @pytest.mark.timeout(180)
-def test_a_call_for_every_rank_is_one_broadcast_with_a_reply_per_rank(
+def test_a_call_for_every_rank_is_one_message_with_an_outcome_per_rank(
     pooled_cluster_2: axon_nb.Cluster,
 ) -> None:
+    client = pooled_cluster_2.client
+    sent_before = len(client.history)
     sent = pooled_cluster_2.send(entry.rank_status)
-    assert len({m.rsplit("_", 1)[0] for m in sent.ar.msg_ids}) == 1  # one message went
+    assert len(client.history) - sent_before == 1  # one message went (one host)
+    assert len({m.rsplit("_", 1)[0] for m in sent.ar.msg_ids}) == 1  # for one call
     assert len(sent.ar.msg_ids) == 2  # each rank answers under its own id
     assert [s["rank"] for s in sent.wait(stream=False)] == [0, 1]
     client = pooled_cluster_2.client
     assert not client.outstanding  # nothing left counted as running
     assert not any(m in client._futures for m in sent.ar.msg_ids)  # nor kept
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_the_kernel_reads_about_one_message_per_host_whatever_the_ranks(
+    pooled_cluster_4: axon_nb.Cluster,
+) -> None:
+    """Four ranks on one host: their outcomes come gathered (ipyparallel's own way is three
+    messages per rank: a reply, a busy and an idle status)."""
+    relay = relay_of(pooled_cluster_4.client)
+    assert relay is not None
+    before = relay.outcome_messages
+    for _ in range(10):
+        assert pooled_cluster_4.run(os.getpid, stream=False) != []
+    # (a rank's outcome waits for the others up to LINGER_S: under load a call may take two)
+    assert relay.outcome_messages - before <= 20
+
+
+def _relay_directory() -> tuple[str, int, int, list[str]]:
+    from axon_nb.rank.world import relay
+
+    directory = relay._state["directory"]
+    status = os.stat(directory)
+    return directory, status.st_mode & 0o777, status.st_uid, sorted(os.listdir(directory))
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_the_relay_sockets_are_in_owner_only_directories_no_other_user_can_enter(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    found = pooled_cluster_2.run(_relay_directory, stream=False)
+    for directory, mode, owner, names in found:
+        assert (mode, owner, names) == (0o700, os.getuid(), ["outcomes", "work"]), directory
+    if users_missing() is not None:
+        pytest.skip(users_missing())
+    connect = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX)\n"
+        "try:\n    s.connect(sys.argv[1]); print('connected')\n"
+        "except OSError as e:\n    print(type(e).__name__)\n"
+    )
+    for directory, *_ in found:
+        argv = as_user(STRANGER, [SYSTEM_PYTHON, "-c", connect, f"{directory}/work"])
+        done = subprocess.run(
+            argv, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60
+        )
+        assert done.stdout.strip() == "PermissionError", done.stderr
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_relayed_cell_may_await_at_its_top_level(pooled_cluster_2: axon_nb.Cluster) -> None:
+    """As ipykernel runs a cell with a top-level ``await`` (on the engine's event loop)."""
+    code = "import asyncio\nawaited = await asyncio.sleep(0.01, result=rank + 100)\nawaited"
+    parts = pooled_cluster_2.execute(code, stream=False)
+    results = {rank: part.execute_result for rank, part in parts.items()}
+    assert {r: v["data"]["text/plain"] for r, v in results.items()} == {0: "100", 1: "101"}

@@ -10,7 +10,8 @@ It happens in ordinary use: a rank opens a widget (``tqdm.auto``, which transfor
 for "Loading weights", opens one in an engine) while the kernel side is an IPython shell
 without a Jupyter kernel (terminal IPython, a script under ``InteractiveShell``): the client
 then asks the shell for its ``kernel`` to proxy the widget, and raises ``AttributeError``.
-The guard drops that one message (logged) and the stream goes on.
+The guard drops that one message (logged) and the stream goes on. It also hands the host
+relay's outcomes (``relay.py``) to the relay, which ipyparallel would not know what to do with.
 
     client = cluster.connect_client_sync()
     guard_iopub(client)
@@ -24,6 +25,8 @@ from typing import Any
 
 import ipyparallel as ipp
 
+from axon_nb.cluster.relay import OUTCOME, relay_of
+
 log = logging.getLogger(__name__)
 
 SWAP_WAIT_S = 5.0
@@ -31,14 +34,21 @@ SWAP_WAIT_S = 5.0
 
 
 def guard_iopub(client: ipp.Client) -> None:
-    """Have ``client`` drop an IOPub message its handler raises on, instead of its stream."""
+    """Have ``client`` drop an IOPub message its handler raises on, instead of its stream,
+    and hand relayed outcomes to its relay."""
     dispatch = client._dispatch_iopub
     dropped = 0
+    topic_end = f".{OUTCOME}".encode()
 
     def on_iopub(parts: list[Any]) -> None:
         nonlocal dropped
         try:
-            dispatch(parts)
+            relay = relay_of(client)
+            if relay is not None and parts[0].bytes.endswith(topic_end):
+                _, frames = client.session.feed_identities(parts, copy=False)
+                relay.outcome(client.session.deserialize(frames, content=True, copy=False))
+            else:
+                dispatch(parts)
         except Exception:
             # once with its traceback; a widget's updates would repeat it for every message
             dropped += 1

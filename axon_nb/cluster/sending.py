@@ -3,11 +3,13 @@ ipyparallel a message for the engines (every feature's call through ``Transport.
 start-up, the control channel). A function and its arguments are pickled together, once,
 with cloudpickle and run there by ``entry.call``.
 
-Work for several ranks goes as one message through ipyparallel's broadcast scheduler, which
-copies it to each engine: the kernel sends (and signs) it once, however many ranks there are.
-Each engine still answers on its own, under its own message id (``<id>_<engine>``), so every
-rank's reply, output, interrupt and abort stay its own (``waiting.py`` waits on them by
-rank). One rank is addressed by its id alone, so its result is not wrapped in a list.
+Once the ranks opened their host relay (at start-up, ``relay.py``), work goes as one message
+per host, to the host's lowest target rank, which passes it on to the others; each rank then
+publishes its outcome as one message. Before that (start-up itself), work for several ranks
+goes as one message through ipyparallel's broadcast scheduler, which copies it to each
+engine. Either way each rank answers on its own, under its own message id
+(``<id>_<rank or engine>``), so every rank's reply, output, interrupt and abort stay its own
+(``waiting.py`` waits on them by rank).
 
 cloudpickle sends functions and classes defined in the notebook (module ``__main__``) by
 value, with the module globals they use (``torch``, ``nn``, a helper function), so what works
@@ -18,6 +20,7 @@ travel by reference.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,18 +29,36 @@ import cloudpickle
 import ipyparallel as ipp
 from ipyparallel.client.futures import multi_future
 
+from axon_nb.cluster.relay import relay_of
 from axon_nb.rank import entry
 
 
 def dispatch(client: ipp.Client, targets: list[int], fn: Callable[..., Any], *args: Any
              ) -> ipp.AsyncResult:  # fmt: skip
     """Send ``fn(*args)`` to the engines ``targets`` (their ids are their ranks) without
-    waiting: one message, copied to each by the broadcast scheduler; an ``AsyncResult`` with
-    one message id per target, in ``targets`` order. Example::
+    waiting: through the host relay once open, else one message copied to each by the
+    broadcast scheduler; an ``AsyncResult`` with one message id per target, in ``targets``
+    order (one target: its result alone). Example::
 
         ar = dispatch(client, [0, 1], entry.collectives_issued)
         ar.get(timeout=10)   # [{...}, {...}]
     """
+    relay = relay_of(client)
+    if relay is not None and relay.covers(targets):
+        payload = args[0] if fn is entry.call else packed_call(fn, args, {})
+        name = getattr(fn, "__name__", "call")
+        return relay.send(targets, "call", payload, name, functools.partial(_forward, client))
+    return _direct(client, targets, fn, *args)
+
+
+def _forward(client: ipp.Client, leaders: list[int], *args: Any) -> ipp.AsyncResult:
+    """The relay's one message per host: ``entry.forward`` to the hosts' leaders."""
+    return _direct(client, leaders, entry.forward, *args)
+
+
+def _direct(client: ipp.Client, targets: list[int], fn: Callable[..., Any], *args: Any
+            ) -> ipp.AsyncResult:  # fmt: skip
+    """ipyparallel's own way: one message per engine, or one copied by the broadcast view."""
     if len(targets) == 1:
         return client[targets[0]].apply_async(fn, *args)
     return _settled(client, _broadcast(client, targets).apply_async(fn, *args))
@@ -49,6 +70,10 @@ def dispatch_code(client: ipp.Client, targets: list[int], code: str) -> ipp.Asyn
 
         ar = dispatch_code(client, [0, 1], "x = rank * 2")
     """
+    relay = relay_of(client)
+    if relay is not None and relay.covers(targets):
+        forward = functools.partial(_forward, client)
+        return relay.send(targets, "code", code.encode(), "execute", forward)
     if len(targets) == 1:
         return client[targets[0]].execute(code, silent=False, block=False)
     view = _broadcast(client, targets)

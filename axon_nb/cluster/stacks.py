@@ -15,9 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-TASK_FUNCTIONS = frozenset({"do_apply", "run_code"})
-"""The engine's frames that run a task (``cluster.run``; a ``%%axon`` cell): a main thread with
-one is busy, and the frames below the last one are the task's own."""
+from axon_nb.ipykernel_sigint import RUNNERS
+
+TASK_FUNCTIONS = frozenset(function for function, _ in RUNNERS)
+"""The engine's frames that run a task (``cluster.run``, relayed or not; a ``%%axon`` cell): a
+main thread with one is busy, and the frames below the last one are the task's own."""
 _LIBRARY_PATHS = ("/site-packages/", "/dist-packages/", "/lib/python3", "/axon_nb/", "<frozen")
 
 

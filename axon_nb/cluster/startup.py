@@ -14,7 +14,7 @@ from typing import Any
 
 import ipyparallel as ipp
 
-from axon_nb.cluster import stopping
+from axon_nb.cluster import relay, stopping
 from axon_nb.cluster.iopub_guard import guard_iopub
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
@@ -298,6 +298,10 @@ def join_world(
     mismatched = [(t, s["rank"]) for t, s in zip(targets, summaries, strict=True) if t != s["rank"]]
     if mismatched:
         raise ClusterStartError(f"engine ids and ranks differ: {mismatched}")
+    addresses = results(wait(dispatch(client, targets, entry.open_relay), targets))
+    relay.register(client, {
+        s["rank"]: (s["host"], address) for s, address in zip(summaries, addresses, strict=True)
+    })  # fmt: skip
     return summaries
 
 

@@ -24,33 +24,9 @@ if TYPE_CHECKING:
 def call(packed: bytes) -> Any:
     """Run a call the kernel packed (``cluster/sending.py``): a function and its arguments,
     pickled with cloudpickle so that functions defined in a notebook bring their globals."""
-    import pickle
+    from axon_nb.rank.world.packed_call import run_packed
 
-    from axon_nb.rank.world.interrupts import import_safe_interrupts
-
-    with import_safe_interrupts():  # (unpickling imports what the call's objects need)
-        fn, args, kwargs = pickle.loads(packed)
-    try:
-        return fn(*args, **kwargs)
-    except BaseException as e:
-        _forget_locals(e)
-        raise
-
-
-def _forget_locals(error: BaseException) -> None:
-    """Clear the finished frames of ``error``'s traceback (and of the errors it chains). The
-    engine keeps the last error until the next one (IPython's ``sys.last_traceback``), and
-    its frames would keep what the failed call built alive: a model, its optimizer state,
-    the process groups of its layout. The traceback still formats (code and line numbers);
-    only the frames' variables go."""
-    import traceback
-
-    seen: set[int] = set()
-    pending: BaseException | None = error
-    while pending is not None and id(pending) not in seen:
-        seen.add(id(pending))
-        traceback.clear_frames(pending.__traceback__)
-        pending = pending.__cause__ or pending.__context__
+    return run_packed(packed)
 
 
 # -- joining the world ----------------------------------------------------------------------
@@ -106,6 +82,21 @@ def sever() -> int:
     from axon_nb.rank.world import world
 
     return world.sever()
+
+
+def open_relay() -> str:
+    """Open this rank's end of the host relay (``rank/world/relay.py``); its address."""
+    from axon_nb.rank.world import relay
+
+    return relay.open_relay()
+
+
+def forward(header: dict[str, Any], payload: bytes, plan: dict[int, list[tuple[int, str, str]]]
+            ) -> int:  # fmt: skip
+    """(A host's leader) pass relayed work on to the host's target ranks."""
+    from axon_nb.rank.world import relay
+
+    return relay.forward(header, payload, plan)
 
 
 # -- work -----------------------------------------------------------------------------------
