@@ -121,3 +121,21 @@ def test_a_relayed_cell_may_await_at_its_top_level(pooled_cluster_2: axon_nb.Clu
     parts = pooled_cluster_2.execute(code, stream=False)
     results = {rank: part.execute_result for rank, part in parts.items()}
     assert {r: v["data"]["text/plain"] for r, v in results.items()} == {0: "100", 1: "101"}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_work_that_could_not_be_sent_leaves_nothing_counted_as_running(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    client = pooled_cluster_2.client
+    relay = relay_of(client)
+    assert relay is not None
+
+    def refused(*_: object) -> None:
+        raise ConnectionError("the controller is gone")
+
+    with pytest.raises(ConnectionError):
+        relay.send([0, 1], "code", b"x = 1", "execute", refused)
+    assert not client.outstanding
+    assert pooled_cluster_2.run(os.getpid, stream=False) != []  # and the next call goes

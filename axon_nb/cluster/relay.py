@@ -69,7 +69,14 @@ class Relay:
         }
         for leader in leaders:  # (before sending: an outcome may come back at once)
             self._acks.update({msg_id: forwarded[leader] for _, _, msg_id in plan[leader]})
-        acks = forward(leaders, {"kind": kind, "call": base}, payload, plan)
+        try:
+            acks = forward(leaders, {"kind": kind, "call": base}, payload, plan)
+        except BaseException as e:  # (nothing went: nothing may stay counted as running)
+            for done in forwarded.values():
+                done.set_result(None)
+            for msg_id in ids.values():
+                self._settle(msg_id, e)
+            raise
         for leader, ack in zip(leaders, acks.split(), strict=True):
             ids_there = [msg_id for _, _, msg_id in plan[leader]]
             ack.add_done_callback(lambda a, f=forwarded[leader], ids=ids_there:
@@ -151,6 +158,7 @@ class Relay:
 
     def _forget(self, msg_id: str) -> None:
         """What the client keeps of a part once it is in (its ``AsyncResult`` keeps its own)."""
+        self._acks.pop(msg_id, None)  # (a part a death settled never took its leader's answer)
         for books in (self.client.results, self.client._futures, self.client._output_futures,
                       self.client.metadata):  # fmt: skip
             books.pop(msg_id, None)
