@@ -162,7 +162,7 @@ def _end(kernel: Any, header: dict[str, Any], content: dict[str, Any], buffers: 
          ) -> None:  # fmt: skip
     """Hand the outcome back: at once to the leader when the part sent and wrote nothing,
     else from the IOPub thread, after what it sent there."""
-    if _state["sent"][0] == header.get("sent_before", _state["sent"][0]):
+    if _state["sent"][0] == header["sent_before"]:
         _hand_back(kernel, header, content, buffers, published=False)
         return
     kernel.iopub_socket.schedule(
@@ -240,16 +240,16 @@ def _hand_back(kernel: Any, header: dict[str, Any], content: dict[str, Any],
         for stream in (sys.stdout, sys.stderr):  # (on this thread: sent now, not later)
             with contextlib.suppress(Exception):
                 stream.flush()
-    frames = [json.dumps({"call": header["call"], "parent": header["parent"],
-                          "content": content}).encode(), *buffers]  # fmt: skip
+    outcome = {"call": header["call"], "parent": header["parent"], "content": content}
     leader = f"ipc://{header['leader']}/outcomes"
     alive = _alive(header["leader_pid"])
     pushes = "outcome_pushes" if published else "pushes"  # (the thread's own sockets)
     try:
         if alive and not published:
-            _push(pushes, leader).send_multipart(frames, zmq.NOBLOCK)
+            _push(pushes, leader).send_multipart([json.dumps(outcome).encode(), *buffers],
+                                                 zmq.NOBLOCK)  # fmt: skip
             return
-        publish(kernel, _state["rank"], [[bytes(f) for f in frames]])
+        publish(kernel, _state["rank"], [(outcome, buffers)])
         if alive:  # (so that it does not wait for this one)
             done = json.dumps({"call": header["call"], "published": True}).encode()
             _push(pushes, leader).send_multipart([done], zmq.NOBLOCK)

@@ -24,17 +24,20 @@ LINGER_S = 0.05
 """How long an outcome may wait for its host's others before it is published without them."""
 
 
-def publish(kernel: Any, rank: int, outcomes: list[list[bytes]]) -> None:
-    """Publish ``outcomes`` (each ``[header JSON, *buffers]``) as one IOPub message under the
-    kernel's session (the first one's parent), its content listing each one's message id,
-    content and number of buffers."""
+Outcome = tuple[dict[str, Any], list[Any]]
+"""An outcome: its header (``call``, ``parent``: the part's parent header, ``content``) and
+its buffers (the result, serialized)."""
+
+
+def publish(kernel: Any, rank: int, outcomes: list[Outcome]) -> None:
+    """Publish ``outcomes`` as one IOPub message under the kernel's session (the first one's
+    parent), its content listing each one's message id, content and number of buffers."""
     listed, buffers = [], []
-    for frames in outcomes:
-        header = json.loads(frames[0])
+    for header, own in outcomes:
         listed.append({"msg_id": header["parent"]["msg_id"], "content": header["content"],
-                       "buffers": len(frames) - 1})  # fmt: skip
-        buffers.extend(frames[1:])
-    parent = json.loads(outcomes[0][0])["parent"]
+                       "buffers": len(own)})  # fmt: skip
+        buffers.extend(own)
+    parent = outcomes[0][0]["parent"]
     kernel.session.send(
         kernel.iopub_socket,
         OUTCOME,
@@ -69,7 +72,7 @@ class Collector:
     def _serve(self) -> None:
         import zmq
 
-        waiting: dict[str, list[list[bytes]]] = {}  # by call: outcomes to publish
+        waiting: dict[str, list[Outcome]] = {}  # by call: outcomes to publish
         counted: dict[str, int] = {}  # by call: outcomes in, those published by their rank too
         since: dict[str, float] = {}  # by call: when its oldest outcome to publish came
         poller = zmq.Poller()
@@ -85,12 +88,12 @@ class Collector:
                 call = header["call"]
                 counted[call] = counted.get(call, 0) + 1
                 if not header.get("published"):
-                    waiting.setdefault(call, []).append(frames)
+                    waiting.setdefault(call, []).append((header, frames[1:]))
                     since.setdefault(call, time.monotonic())
             for call in list(counted):
                 self._settle(call, waiting, counted, since)
 
-    def _settle(self, call: str, waiting: dict[str, list[list[bytes]]],
+    def _settle(self, call: str, waiting: dict[str, list[Outcome]],
                 counted: dict[str, int], since: dict[str, float]) -> None:  # fmt: skip
         """Publish ``call``'s waiting outcomes once all its outcomes are in, or once the
         oldest has waited ``LINGER_S``; forget the call once all are in."""
@@ -107,7 +110,7 @@ class Collector:
             waiting.pop(call, None)
             since.pop(call, None)
 
-    def _publish(self, outcomes: list[list[bytes]]) -> None:
+    def _publish(self, outcomes: list[Outcome]) -> None:
         try:
             publish(self.kernel, self.rank, outcomes)
         except Exception as e:  # (the thread must go on for the next calls)
