@@ -19,6 +19,7 @@ from models import mse
 
 import axon_nb
 from axon_nb import DDP, FSDP
+from axon_nb.cluster.dask_on_ranks import workers_by_rank
 
 if TYPE_CHECKING:
     import dask.dataframe as dd
@@ -60,7 +61,7 @@ def _rows_held() -> int:
 
 def test_the_ranks_are_the_dask_workers_on_loopback(pooled_cluster_2: axon_nb.Cluster) -> None:
     client = pooled_cluster_2.dask()
-    info = client.scheduler_info(n_workers=-1)
+    info = client.sync(client.scheduler.identity, n_workers=-1)  # (the cache can be empty)
     assert sorted(w["name"] for w in info["workers"].values()) == ["rank-0", "rank-1"]
     pids = {w["name"]: w.get("pid") for w in info["workers"].values()}
     by_pid = client.run(lambda: __import__("os").getpid())
@@ -139,8 +140,27 @@ def test_dask_comes_back_after_a_restart(pooled_cluster_2: axon_nb.Cluster) -> N
     pooled_cluster_2.restart()
     after = pooled_cluster_2.dask()
     assert after is not before and after.status == "running"
-    assert len(after.scheduler_info(n_workers=-1)["workers"]) == 2
+    assert sorted(workers_by_rank(after)) == [0, 1]
     assert before.status != "running"
+
+
+def test_the_ranks_workers_are_found_when_the_clients_refresh_empties_its_cache(
+    pooled_cluster_2: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CI failure of 2026-11-29: ``client.scheduler_info()`` returns the client's cached
+    identity, and the client's own 2-second refresh (``n_workers=0``) replaces it with one
+    listing no workers; here that refresh lands right after every update."""
+    client = pooled_cluster_2.dask()
+    update = client._update_scheduler_info
+
+    async def then_refreshed(n_workers: int = 0) -> None:
+        await update(n_workers=n_workers)
+        await update(n_workers=0)  # what the periodic refresh stores
+
+    monkeypatch.setattr(client, "_update_scheduler_info", then_refreshed)
+    assert client.scheduler_info(n_workers=-1)["workers"] == {}  # the race, made certain
+    assert sorted(workers_by_rank(client)) == [0, 1]
+    assert pooled_cluster_2.dask() is client  # (its check of the workers holds too)
 
 
 def _status(link: str, route: str) -> int:

@@ -24,6 +24,7 @@ from other_users import missing as users_missing
 
 import axon_nb
 from axon_nb import FSDP
+from axon_nb.cluster.dask_on_ranks import workers_by_rank
 from axon_nb.errors import RankDiedError
 
 pytestmark = [
@@ -212,7 +213,7 @@ def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tm
     with cluster:
         client = cluster.dask()
         assert client.scheduler.address.startswith("tls://10.77.0.1:")
-        assert sorted(urlsplit(a).hostname for a in client.scheduler_info()["workers"]) == [
+        assert sorted(urlsplit(a).hostname for a in workers_by_rank(client).values()) == [
             *hosts.addresses[:2]
         ]  # each rank's worker on its host's address, over TLS
         processes = psutil.Process().children(recursive=True)

@@ -208,8 +208,12 @@ def _shut_down_scheduler(
 
 
 def workers_by_rank(client: distributed.Client) -> dict[int, str]:
-    """Rank -> the address of its worker, as the scheduler of ``client`` knows them."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    """Rank -> the address of its worker, as the scheduler of ``client`` knows them.
+
+    Asked of the scheduler directly: ``client.scheduler_info()`` returns the client's cached
+    identity, which its own 2-second refresh replaces with one listing no workers, so under
+    load it can come back empty."""
+    workers = client.sync(client.scheduler.identity, n_workers=-1)["workers"]
     return {
         int(str(info["name"]).removeprefix("rank-")): address
         for address, info in workers.items()
