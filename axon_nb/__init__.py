@@ -19,6 +19,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from axon_nb import estimate
     from axon_nb.checkpoint import Checkpoint
     from axon_nb.cluster import Cluster, ClusterOptions, StackReport
+    from axon_nb.cluster.detached import clusters
+    from axon_nb.cluster.detaching import stop_detached
     from axon_nb.errors import (
         AxonError,
         ClusterBrokenError,
@@ -72,10 +74,13 @@ __all__ = [
     "TrainResult",
     "ZeRO",
     "advise",
+    "attach",
+    "clusters",
     "current_cluster",
     "estimate",
     "load_ipython_extension",
     "pretrained",
+    "stop_detached",
     "train_local",
     "unload_ipython_extension",
 ]
@@ -87,6 +92,8 @@ _LAZY = {
     "Cluster": "axon_nb.cluster",
     "ClusterOptions": "axon_nb.cluster",
     "StackReport": "axon_nb.cluster",
+    "clusters": "axon_nb.cluster.detached",
+    "stop_detached": "axon_nb.cluster.detaching",
     "AxonError": "axon_nb.errors",
     "ClusterBrokenError": "axon_nb.errors",
     "ClusterStartError": "axon_nb.errors",
@@ -148,6 +155,29 @@ def current_cluster() -> Cluster:
     from axon_nb.magics import current_cluster as current
 
     return current()
+
+
+def attach(name: str, *, replay: bool = True) -> Cluster:
+    """The running detached cluster ``name`` of this user, from any kernel: the same ranks,
+    the names earlier ``%%axon`` cells set and the models they hold, and its runs
+    (``cluster.handle("model")``); with ``replay``, what each rank printed lately is printed
+    first. In IPython with ``%load_ext axon_nb`` it becomes the kernel's cluster for the
+    magics (as ``%axon_attach NAME`` does).
+
+    Example::
+
+        cluster = axon_nb.attach("lab")
+        result = cluster.handle("model").wait()
+    """
+    from axon_nb.cluster.attach_api import attach as attach_cluster
+
+    cluster = attach_cluster(name, replay=replay)
+    if "IPython" in __import__("sys").modules:
+        from axon_nb.magics import AxonMagics
+
+        if AxonMagics.instance is not None:
+            AxonMagics.instance.cluster = cluster
+    return cluster
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -12,7 +12,13 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from axon_nb.cluster import Cluster, warm_engines
-from axon_nb.cluster.options import ENGINE_KINDS, parse_gpus, parse_hosts, read_hostfile
+from axon_nb.cluster.options import (
+    ENGINE_KINDS,
+    parse_duration,
+    parse_gpus,
+    parse_hosts,
+    read_hostfile,
+)  # fmt: skip
 from axon_nb.cluster.rank_displays import LiveOutput
 from axon_nb.errors import NoClusterError
 from axon_nb.spec.placement import BACKENDS
@@ -55,6 +61,10 @@ class AxonMagics(Magics):
     )
     @argument("--partition", default=None, help="--engines slurm: the partition to submit to")
     @argument("--time", default=None, help="--engines slurm: the job's time limit, e.g. 2:00:00")
+    @argument("--detach", action="store_true", help="outlive this kernel (attach: %%axon_attach)")
+    @argument("--name", default=None, help="--detach: the cluster's name (default: made up)")
+    @argument("--idle-timeout", default="2h", help="--detach: end after this long unattached")
+    @argument("--list", action="store_true", help="list your detached clusters on this host")
     @argument("--stop", action="store_true", help="stop the running cluster")
     @argument("--restart", action="store_true", help="stop the running cluster, start anew")
     @argument("--status", action="store_true", help="show the running cluster's ranks")
@@ -71,9 +81,13 @@ class AxonMagics(Magics):
             In [2]: %axon_cluster --status
             In [3]: %axon_cluster --restart
             In [4]: %axon_cluster --stop
+            In [5]: %axon_cluster 8 --detach --name lab --idle-timeout 2h   # outlives the kernel
+            In [6]: %axon_cluster --list
         """
         args = parse_argstring(self.axon_cluster, line)
-        if args.stop:
+        if args.list:
+            _list_detached()
+        elif args.stop:
             self._stop_command()
         elif args.status:
             self._status_command()
@@ -225,6 +239,29 @@ class AxonMagics(Magics):
             )
         self._require_cluster().run_script(argv[0], argv[1:])
 
+    @line_magic
+    def axon_attach(self, line: str) -> None:
+        """Attach this kernel to a detached cluster of yours (``axon_nb.attach``): the same
+        ranks, their names and models, and its runs (``cluster.handle("model")``).
+
+        ::
+
+            In [1]: %axon_attach lab
+        """
+        name = line.strip()
+        if not name or " " in name:
+            raise UsageError("give the cluster's name, e.g. `%axon_attach lab` (see --list)")
+        if self.cluster is not None and self.cluster.running and self.cluster.name != name:
+            raise UsageError(
+                "this kernel already has a cluster: `%axon_cluster --stop` it first (a "
+                "detached one keeps running)"
+            )
+        from axon_nb.cluster.attach_api import attach
+
+        cluster = attach(name)
+        self.cluster = cluster
+        print(cluster.table())
+
     # -- helpers ---------------------------------------------------------------------------
 
     def stop_cluster(self, *, keep_warm: bool = False) -> None:
@@ -245,6 +282,12 @@ class AxonMagics(Magics):
         self.cluster = cluster
         print(cluster.table())
         print(cluster.exposure())
+        if cluster.name is not None:
+            print(
+                f"Detached as {cluster.name!r}: it outlives this kernel, and any kernel of yours "
+                f"attaches with `%axon_attach {cluster.name}`; it ends after "
+                f"{opts.idle_timeout:g} s with no kernel attached and no run in progress."
+            )
 
     def _stop_command(self) -> None:
         if self.cluster is None:
@@ -293,9 +336,23 @@ def _cluster_from_args(args: Any) -> Cluster:
             oversubscribe=args.oversubscribe,
             partition=args.partition,
             time=args.time,
+            detach=args.detach,
+            name=args.name,
+            idle_timeout=parse_duration(args.idle_timeout),
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+def _list_detached() -> None:
+    from axon_nb.cluster.detached import clusters
+
+    found = clusters()
+    if not found:
+        print("No detached clusters of yours on this host (`%axon_cluster N --detach` starts one).")
+    for cluster in found:
+        print(cluster)
+        print(f"    attach: %axon_attach {cluster.name}")
 
 
 def _hosts_from_args(args: Any) -> tuple[tuple[str, int], ...] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import pathlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -12,9 +13,19 @@ from typing import TYPE_CHECKING, Any
 import ipyparallel as ipp
 
 from axon_nb import ipykernel_sigint
-from axon_nb.cluster import features, mpi_leftovers, reaper, startup, stopping, warm_engines
+from axon_nb.cluster import (
+    attaching,
+    features,
+    mpi_leftovers,
+    reaper,
+    startup,
+    stopping,
+    warm_engines,
+)  # fmt: skip
 from axon_nb.cluster.control import held_interrupts
 from axon_nb.cluster.dask_on_ranks import DaskOnRanks
+from axon_nb.cluster.delegates import FeatureDelegates
+from axon_nb.cluster.detaching import Detached, open_detached
 from axon_nb.cluster.exposure import describe_exposure
 from axon_nb.cluster.hangs import WatchDir
 from axon_nb.cluster.host_fit import check_fits_here
@@ -22,26 +33,20 @@ from axon_nb.cluster.lab_registry import LabRegistry
 from axon_nb.cluster.launchers import CONTROLLER_ARGS, LAUNCHERS, configure_controller
 from axon_nb.cluster.logs import ClusterLog
 from axon_nb.cluster.options import ClusterOptions
-from axon_nb.cluster.transport import ClusterLike
 from axon_nb.errors import AxonError
-from axon_nb.rank import entry
 from axon_nb.spec.make import make_spec
 from axon_nb.spec.train_spec import spec_options
 from axon_nb.strategies import DDP
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import distributed
 
     from axon_nb.cluster.bandwidth import BandwidthReport
-    from axon_nb.estimate.advisor import Advice
-    from axon_nb.spec.checkpoint_format import Checkpoint
     from axon_nb.train import TrainHandle, TrainResult
     from axon_nb.train.compare import Comparison
 
 
-class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of a Cluster)
+class Cluster(FeatureDelegates):  # (a ClusterLike: Transport, and what features use of it)
     """Persistent ranks for distributed PyTorch, started with MPI and joined by torch.distributed.
 
     Example::
@@ -71,6 +76,9 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
         oversubscribe: bool | None = None,
         partition: str | None = None,
         time: str | None = None,
+        detach: bool = False,
+        name: str | None = None,
+        idle_timeout: float = 7200.0,
     ) -> None:
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(ClusterOptions.from_arguments(**arguments))
@@ -102,8 +110,9 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
         self._broken = None
         self._dead = set()
         # Before ipyparallel's own exit hook (registered earlier, so run later): a stop that
-        # ends busy ranks too (see stop_waits). A killed kernel is the reaper's.
-        atexit.register(self.stop)
+        # ends busy ranks too (see stop_waits). A killed kernel is the reaper's. A detached
+        # cluster is let go instead (its keeper ends it).
+        atexit.register(self._at_exit)
         self._registry = LabRegistry.for_kernel(self)
         if self._registry is not None:
             self._registry.start()
@@ -114,7 +123,11 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
         everything started is stopped, and :class:`startup.PortRace` says to try again."""
         self.log = ClusterLog.create()
         cluster = ipp.Cluster(
-            n=opts.n, engines=opts.engines, log=self.log.logger, controller_args=CONTROLLER_ARGS
+            n=opts.n,
+            engines=opts.engines,
+            log=self.log.logger,
+            controller_args=CONTROLLER_ARGS,
+            shutdown_atexit=not opts.detach,
         )
         # may raise (no mpiexec) before anything starts
         LAUNCHERS[opts.engines](cluster, opts, str(self.log.path))
@@ -127,8 +140,14 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
             cluster.start_controller_sync()  # a port lost meanwhile: PortRace, below
             cluster.start_engines_sync(opts.n)
             launched = stopping.launcher_pids(cluster)
+            guardian = os.getpid()  # (what the reaper watches: the kernel, or the keeper)
+            if opts.detach:
+                self.detached = Detached.claim(opts.name)
+                self.options = opts = dataclasses.replace(opts, name=self.detached.name)
+                guardian = self.detached.start_keeper(cluster.cluster_file, str(self._watch.path),
+                                                      launched, opts.idle_timeout)  # fmt: skip
             self._reaper = reaper.spawn(
-                os.getpid(), cluster.cluster_file, str(self._watch.path), launched
+                guardian, cluster.cluster_file, str(self._watch.path), launched
             )
             # (ipyparallel's 10 s for the controller's first answer is too short on a busy host)
             self._client = startup.connect_client(cluster, opts.start_timeout)
@@ -136,6 +155,9 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
             self.ranks = startup.join_world(self._client, opts, self._wait_start,
                                             str(self._watch.path),
                                             kernel_addr=cluster.controller_ip or None)  # fmt: skip
+            if self.detached is not None:
+                self.detached.finish_start(self, cluster.cluster_file, str(self._watch.path),
+                                           launched)  # fmt: skip
         except BaseException as e:
             lost_a_port = startup.port_was_taken(cluster, self.log)
             self.stop()  # copies what the controller wrote by now (more than above, on a busy host)
@@ -155,8 +177,14 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
         if held.arrived:
             print("(Ctrl-C was held until the cluster had stopped)", file=sys.stderr)
 
+    def _at_exit(self) -> None:
+        if self.detached is not None:
+            self.detached.let_go()
+        else:
+            self.stop()
+
     def _stop(self) -> None:
-        atexit.unregister(self.stop)
+        atexit.unregister(self._at_exit)
         if self._registry is not None:
             self._registry.close()
             self._registry = None
@@ -179,7 +207,29 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
             self._watch = None
         if self.log is not None:
             self.log.close()
+        if self.detached is not None:
+            self.detached.end()
+            self.detached = None
         self.ranks = []
+
+    @classmethod
+    def attach(cls, name: str) -> Cluster:
+        """The running detached cluster ``name`` of this user (``axon_nb.attach``)."""
+        detached, record = open_detached(name)
+        opts = record["options"]
+        cluster = cls(**{**opts, "gpus": opts["gpus"] and tuple(opts["gpus"])}, detach=True,
+                      name=name)  # fmt: skip
+        cluster._ipp, cluster._client = attaching.connect(record, cluster.options.start_timeout)
+        cluster.ranks, cluster.detached = record["ranks"], detached
+        cluster._watch = WatchDir(pathlib.Path(record["watch_dir"]))
+        detached.hold_lease()
+        atexit.register(cluster._at_exit)
+        return cluster
+
+    @property
+    def name(self) -> str | None:
+        """A detached cluster's name (``%axon_attach NAME``); None for one that is not."""
+        return self.options.name
 
     def restart(self, n: int | None = None) -> Cluster:
         """Stop everything and start fresh ranks with the same options (``n`` ranks if given).
@@ -258,115 +308,6 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
         spec = make_spec(DDP, **spec_options(locals()), resume=bool(from_state))  # (DDP: replaced)
         return features.compare(self, strategies, spec, warmup=warmup, from_state=from_state)
 
-    def profile(self, model: Any, data: Any, loss: Any = None, *, samples: int = 4) -> Any:
-        """Measure ``model`` on rank 0 (one forward and backward of ``samples`` items of
-        ``data``): the :class:`~axon_nb.estimate.ModelProfile` that ``predict`` and ``advise``
-        work from. Example::
-
-            profile = cluster.profile(model=make_gpt, data=ds, loss=lm_loss)
-        """
-        from axon_nb.estimate import ModelProfile
-
-        [measured] = self.run(entry.profile_model, model, data, loss, samples, ranks=[0],
-                              stream=False)  # fmt: skip
-        return ModelProfile.from_dict(measured)
-
-    def advise(
-        self, model: Any, data: Any = None, loss: Any = None, *, device_memory: str | float,
-        batch_size: int | None = None, strategies: list[Any] | None = None,
-        bandwidth: Any = None, device_flops: float | None = None, optimizer: Any = None,
-        mixed_precision: str | None = None,
-    ) -> Advice:  # fmt: skip
-        """:func:`axon_nb.advise` for this world and its hosts, the model profiled on rank 0
-        and the links from :meth:`bandwidth` when it has run. Example::
-
-            cluster.advise(make_gpt, ds, lm_loss, device_memory="80GB", batch_size=64)
-        """
-        from axon_nb.estimate import advise
-
-        world = len(self.targets())
-        return advise(
-            profile=self.profile(model, data, loss), world_size=world,
-            hosts=max(1, world // self.ranks_per_host), device_memory=device_memory,
-            batch_size=batch_size, strategies=strategies, device_flops=device_flops,
-            bandwidth=self.bandwidth_results if bandwidth is None else bandwidth,
-            optimizer=optimizer, mixed_precision=mixed_precision,
-        )  # fmt: skip
-
-    def bandwidth(
-        self, collectives: Sequence[str] | str | None = None,
-        sizes: str | Sequence[int] = "1K:16M", *, iters: int = 10, warmup: int = 3,
-    ) -> BandwidthReport:  # fmt: skip
-        """Collective bandwidth and latency on these ranks as nccl-tests measures them
-        (:func:`axon_nb.cluster.bandwidth.bandwidth`). Example::
-
-            cluster.bandwidth("all_reduce", sizes="1M:64M")   # a table and a plot
-        """
-        return features.bandwidth(**_forward(locals()))
-
-    def evaluate(
-        self, data: Any, *, loss: Callable[..., Any] | None = None,
-        metrics: Mapping[str, Callable[..., Any]] | None = None, batch_size: int,
-        name: str = "model",
-    ) -> dict[str, float]:  # fmt: skip
-        """Loss and metrics of the model the ranks hold over ``data``, every sample once, under
-        its own strategy: :func:`axon_nb.train.evaluate.evaluate`. Example::
-
-        cluster.evaluate(test_ds, loss=mse, metrics={"mae": mae}, batch_size=64)
-        """
-        return features.evaluate(**_forward(locals()))
-
-    def predict(
-        self, data: Any, *, batch_size: int, name: str = "model",
-        output_dir: str | os.PathLike[str] | None = None,
-    ) -> Any:  # fmt: skip
-        """The held model's outputs for every item of ``data``, in data order, as CPU tensors:
-        :func:`axon_nb.train.predict.predict`. Example::
-
-        logits = cluster.predict(test_ds, batch_size=64)
-        """
-        return features.predict(**_forward(locals()))
-
-    def generate(
-        self, input_ids: Any, *, max_new_tokens: int, attention_mask: Any = None,
-        seed: int | None = None, name: str = "model", **generate_kwargs: Any,
-    ) -> Any:  # fmt: skip
-        """Continue prompts with the held transformers causal LM (DDP, FSDP, tensor parallel):
-        :func:`axon_nb.train.generate.generate`. Example::
-
-        cluster.generate(ids, max_new_tokens=20, do_sample=True, top_k=50, seed=0)
-        """
-        return features.generate(**_forward(locals()))
-
-    def save(
-        self, path: str | os.PathLike[str], kind: str = "full", *, name: str = "model",
-        overwrite: bool = False, private: bool = True, format: str = "torch",
-    ) -> Checkpoint | Path:  # fmt: skip
-        """Save a run (:func:`axon_nb.checkpoint.save`); ``format="hf"``: its model for
-        ``from_pretrained``. Example::
-
-        cluster.save("ckpt/step100", kind="sharded")
-        cluster.save("out/llama", format="hf")
-        """
-        return features.save(**_forward(locals()))
-
-    def load(self, path: str | os.PathLike[str], *, name: str = "model") -> Checkpoint:
-        """Load a checkpoint into run ``name`` (:func:`axon_nb.checkpoint.load`). Example::
-
-        cluster.load("ckpt/step100")
-        """
-        return features.load(**_forward(locals()))
-
-    def rescue(
-        self, path: str | os.PathLike[str], *, name: str = "model", private: bool = True
-    ) -> Checkpoint:
-        """Save what the surviving ranks hold after a rank died
-        (``axon_nb.checkpoint.on_cluster.rescue``). Example::
-
-            cluster.rescue("ckpt/rescued")
-        """
-        return features.rescue(**_forward(locals()))
-
     def dask(self, *, dashboard: bool = False) -> distributed.Client:
         """A ``distributed.Client`` whose workers are the ranks (one per rank, in its engine),
         its scheduler in the controller, over TLS with the cluster's own certificates;
@@ -389,13 +330,6 @@ class Cluster(ClusterLike):  # (ClusterLike: Transport, and what features use of
         """
         controller = self._ipp.controller_ip if self._ipp is not None else None
         return describe_exposure(self.options, self.ranks, controller, self._dask.client)
-
-
-def _forward(arguments: dict[str, Any]) -> dict[str, Any]:
-    """A delegate's own arguments (its ``locals()``), for the function it delegates to, with
-    the cluster as ``cluster``."""
-    arguments = {k: v for k, v in arguments.items() if k != "__class__"}
-    return {"cluster": arguments.pop("self"), **arguments}
 
 
 def _in_jupyter_kernel() -> bool:

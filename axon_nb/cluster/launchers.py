@@ -80,9 +80,12 @@ def engine_environment(log_path: str) -> dict[str, str]:
     return {"AXON_NB_ENGINE_LOG": log_path, **private_cache_environment()}
 
 
-def warm_engine_environment() -> dict[str, str]:
+def warm_engine_environment(options: ClusterOptions) -> dict[str, str]:
     """Where this host's ranks get their engines forked (``cluster/warm_engines.py``): one
-    host only (a rank on another host starts its engine as a process)."""
+    host only (a rank on another host starts its engine as a process), and not for a detached
+    cluster (the warm process ends with its kernel)."""
+    if options.detach:
+        return {}
     directory = warm_engines.server_directory()
     return {SERVER_ENV: directory} if directory else {}
 
@@ -143,7 +146,7 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions, log_path: str)
             mpiexec = find_mpiexec("mpiexec.gforker")
         except ClusterStartError:
             mpiexec = find_mpiexec()
-        environment = {**LOOPBACK_MPI_ENV, **warm_engine_environment()}
+        environment = {**LOOPBACK_MPI_ENV, **warm_engine_environment(options)}
     launcher.mpi_cmd = [mpiexec]
     launcher.environment = {**environment, **engine_environment(log_path)}
     launcher.engine_args = list(ENGINE_ARGS)  # (ipyparallel adds --mpi)
@@ -238,7 +241,7 @@ def _configure_local(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
     launcher = cluster.config.LocalEngineSetLauncher
     launcher.engine_cmd = engine_cmd()
     launcher.engine_args = ENGINE_ARGS
-    launcher.environment = {**engine_environment(log_path), **warm_engine_environment()}
+    launcher.environment = {**engine_environment(log_path), **warm_engine_environment(options)}
 
 
 LAUNCHERS: dict[str, Callable[[ipp.Cluster, ClusterOptions, str], None]] = {

@@ -51,6 +51,14 @@ class ClusterOptions:
     """``engines="slurm"``: the partition to submit to (None: the default one)."""
     time: str | None = None
     """``engines="slurm"``: the job's time limit, as Slurm writes it (``2:00:00``)."""
+    detach: bool = False
+    """Outlive the kernel: a keeper process, not the kernel, ends the cluster (after
+    ``idle_timeout``, or when stopped); any kernel of this user can attach to it by ``name``."""
+    name: str | None = None
+    """A detached cluster's name, unique per user and host (None: one is made up)."""
+    idle_timeout: float = 7200.0
+    """A detached cluster ends after this many seconds with no kernel attached and no run
+    in progress."""
 
     @classmethod
     def from_arguments(
@@ -113,12 +121,42 @@ class ClusterOptions:
                     f"{name} must be a positive, finite number of seconds, got {value!r}: "
                     f"e.g. `%axon_cluster 4 {flag} 300`"
                 )
+        _check_detach(self)
         hang = self.hang_timeout
         if hang is not None and not _positive_seconds(hang):
             raise ValueError(
                 f"hang_timeout must be a positive, finite number of seconds, got {hang!r}: e.g. "
                 "`%axon_cluster 4 --hang-timeout 300`, or leave it out to never report hangs"
             )
+
+
+def _check_detach(options: ClusterOptions) -> None:
+    if options.name is not None and not options.detach:
+        raise ValueError("name= names a detached cluster: add detach=True (--detach)")
+    if not _positive_seconds(options.idle_timeout):
+        raise ValueError(
+            f"idle_timeout must be a positive, finite number of seconds, got "
+            f"{options.idle_timeout!r}: e.g. `--idle-timeout 2h` or idle_timeout=7200"
+        )
+    if options.detach and options.multi_host:
+        raise ValueError(
+            "a detached cluster runs on this host only (its keeper watches processes here): "
+            "leave out --hosts and --engines slurm, or do not detach"
+        )
+
+
+def parse_duration(text: str) -> float:
+    """``"2h"``, ``"30m"``, ``"90s"`` or ``"7200"`` in seconds. Example::
+
+    parse_duration("1h30m")   # 5400.0
+    """
+    import re
+
+    units = {"d": 86400, "h": 3600, "m": 60, "s": 1, "": 1}
+    parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)([dhms]?))+", text.strip())
+    if not parts:
+        raise ValueError(f"a duration like 2h, 30m, 90s or 7200, got {text!r}")
+    return float(sum(float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([dhms]?)", text)))
 
 
 def _positive_seconds(value: object) -> bool:

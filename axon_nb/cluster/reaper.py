@@ -68,13 +68,13 @@ def main(argv: list[str]) -> int:
     try:
         if watch(parent_pid, cluster_file):
             terminate_then_kill(process_tree(roots), roots)
-            _remove_files(cluster_file)
+            remove_files(cluster_file)
     finally:  # (ipyparallel's atexit stops a cluster, but knows nothing of this directory)
         shutil.rmtree(watch_dir, ignore_errors=True)
     return 0
 
 
-def _remove_files(cluster_file: str) -> None:
+def remove_files(cluster_file: str) -> None:
     """ipyparallel's own clean-up of a stopped cluster's files (its processes are gone)."""
     with contextlib.suppress(Exception):
         import ipyparallel as ipp

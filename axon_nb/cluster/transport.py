@@ -37,6 +37,7 @@ from axon_nb.spec.signals import NATIVE_SIGNAL
 if TYPE_CHECKING:
     import distributed
 
+    from axon_nb.cluster.detaching import Detached
     from axon_nb.cluster.logs import ClusterLog
 
 
@@ -53,6 +54,8 @@ class Transport:
         """One summary per rank (rank, host, pid, device, backend, ...), in rank order."""
         self.log: ClusterLog | None = None
         """The log file of the latest start: controller, MPI launcher and engine output."""
+        self.detached: Detached | None = None
+        """A detached cluster's directory and keeper (``cluster/detaching.py``)."""
 
     @property
     def running(self) -> bool:
@@ -103,6 +106,8 @@ class Transport:
             sent.wait()   # [{"loss": 0.31, ...}, ...] in rank order
         """
         targets = self.targets(ranks)
+        if self.detached is not None:  # (another kernel's run may be training on them)
+            self.detached.refuse_if_busy()
         with held_interrupts() as held:
             ar = dispatch(self.client, targets, *call_args(fn, args, kwargs))
         return Sent(self, ar, targets, held.arrived)
@@ -134,6 +139,8 @@ class Transport:
             cluster.run(lambda: x)   # NameError: functions see their own globals, not the cell's
         """
         targets = self.targets(ranks)
+        if self.detached is not None:
+            self.detached.refuse_if_busy()
         with held_interrupts() as held:
             ar = dispatch_code(self.client, targets, code)
         return Sent(self, ar, targets, held.arrived).parts(stream=stream)

@@ -91,6 +91,17 @@ def open_relay() -> str:
     return relay.open_relay()
 
 
+def keep_runs(root: str, keeper_pid: int) -> int:
+    """(A detached cluster's rank) keep output and runs under ``root``
+    (``rank/world/kept_runs.py``) and end with the cluster's keeper; this rank's pid."""
+    from axon_nb.rank import runtime
+    from axon_nb.rank.world import kept_runs
+
+    kept_runs.keep(root, runtime.context().rank)
+    kept_runs.end_with(keeper_pid)
+    return __import__("os").getpid()
+
+
 def forward(header: dict[str, Any], payload: bytes, plan: dict[int, list[tuple[int, str, str]]]
             ) -> int:  # fmt: skip
     """(A host's leader) pass relayed work on to the host's target ranks."""

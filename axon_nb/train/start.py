@@ -40,6 +40,8 @@ def start_run(
         sent = dataclasses.replace(spec, data=shared)  # its tensors held once per host
     if (shared_eval := notebook_data.share(cluster, spec.eval_data)) is not None:
         sent = dataclasses.replace(sent, eval_data=shared_eval)  # the same way as data
+    if cluster.detached is not None:  # (for kernels that attach later)
+        cluster.detached.note_run(spec.name, run, spec.steps, targets, spec.strategy.describe())
     work = cluster.send(entry.train, sent, run)  # (pickled once, with the call)
     handle = TrainHandle(cluster, work, spec, run, label=label)
     for note in notes:

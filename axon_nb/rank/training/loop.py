@@ -42,7 +42,15 @@ def train_on_rank(spec: TrainSpec, run_id: str, stop: StopSignal) -> dict[str, A
     from ipyparallel.datapub import publish_data
     from IPython import get_ipython
 
-    summary, state = run(spec, runtime.context(), sink=publish_data, run_id=run_id, stop=stop)
+    from axon_nb.rank.world.kept_runs import keep_end, kept_sink
+
+    sink = kept_sink(publish_data, spec.name, run_id)  # (a detached cluster keeps the run)
+    try:
+        summary, state = run(spec, runtime.context(), sink=sink, run_id=run_id, stop=stop)
+    except BaseException as e:
+        keep_end(spec.name, {"error": (type(e).__name__, str(e))})
+        raise
+    keep_end(spec.name, summary)
     shell = get_ipython()
     if state is not None and shell is not None:
         shell.user_ns[spec.name] = state.model  # the next %%axon cell can evaluate it

@@ -1,0 +1,77 @@
+"""The keeper of a detached cluster: the process that owns its lifetime once no kernel does.
+
+A cluster started with ``detach=True`` has, instead of the kernel-bound guards (the reaper
+watching the kernel, the ``atexit`` stop, the warm engine process), this process in its own
+session. The cluster's reaper watches the keeper, so if the keeper dies, the ranks end (they
+may hold GPUs); each rank also watches it (``rank/world/kept_runs.py::end_with``).
+
+The keeper ends the cluster (its processes, ipyparallel's files, the cluster's directories)
+
+- after ``idle_timeout`` seconds with no attached kernel (``attached/<pid>`` of a live
+  process) and no run in progress (``spec/kept_runs.py``);
+- on SIGTERM (``axon_nb.stop_detached``), if a kernel has not already stopped it;
+- if the kernel that started it died before the cluster was up.
+
+It exits when a kernel stopped the cluster (its record is gone).
+
+Usage: ``python -m axon_nb.cluster.keeper ROOT KERNEL_PID CLUSTER_FILE WATCH_DIR PID[,PID...]
+IDLE_TIMEOUT_S``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+from axon_nb.cluster.detached import attached, ranks_alive, read_record
+from axon_nb.cluster.reaper import remove_files
+from axon_nb.cluster.stopping import alive, process_tree, terminate_then_kill
+from axon_nb.spec.kept_runs import kept_runs
+
+POLL_S = 1.0
+"""How often the keeper looks at its cluster."""
+
+_asked = False
+
+
+def main(argv: list[str]) -> int:
+    root, kernel_pid, cluster_file, watch_dir = Path(argv[0]), int(argv[1]), argv[2], argv[3]
+    roots = [int(p) for p in argv[4].split(",") if p]
+    idle_timeout = float(argv[5])
+    signal.signal(signal.SIGTERM, _on_term)
+    seen = False
+    idle_since: float | None = None
+    while True:
+        record = read_record(root)
+        if record is None:
+            if seen or not root.exists():
+                return 0  # a kernel stopped it
+            if not alive(kernel_pid) or _asked:
+                break  # its kernel died while starting it
+        else:
+            seen = True
+            busy = attached(root) or any(r.running for r in kept_runs(root, ranks_alive(record)))
+            idle_since = None if busy else idle_since or time.monotonic()
+            if _asked or (idle_since is not None and time.monotonic() - idle_since >= idle_timeout):
+                break
+        time.sleep(POLL_S)
+    why = "asked to stop" if _asked else "idle" if seen else "its kernel died while starting it"
+    print(f"ending the cluster: {why}", flush=True)
+    terminate_then_kill(process_tree(roots), roots)
+    remove_files(cluster_file)
+    shutil.rmtree(watch_dir, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+def _on_term(signum: int, frame: FrameType | None) -> None:
+    global _asked
+    _asked = True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,233 @@
+"""``KeptHandle``: a run on a detached cluster read from the cluster's directory, so any
+kernel that attaches sees the whole run (``spec/kept_runs.py``: what the ranks keep).
+
+ipyparallel hands a client only the output of its own requests, and a reply sent to a dead
+kernel is gone, so the run's publications and the ranks' summaries are read from the files
+the ranks write: every publication since the run began (its history), then new ones as they
+come, by a monitor thread as ``RunStream`` reads ipyparallel's. ``wait`` returns the
+``TrainResult`` the run would have returned to the kernel that started it.
+
+Example::
+
+    handle = cluster.handle("model")   # on a cluster from axon_nb.attach("lab")
+    handle.show()                      # the dashboard: the whole run, streaming on
+    result = handle.wait()
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from axon_nb.cluster.detached import ranks_alive, read_record
+from axon_nb.errors import AxonError, RankError
+from axon_nb.spec.kept_runs import end_path, read_end, run_dir, stream_path
+from axon_nb.train.presenter import RunPresenter
+from axon_nb.train.result import TrainResult, build_result, merge_records
+from axon_nb.train.run_stream import MONITOR_S, MetricsListener
+
+if TYPE_CHECKING:
+    from axon_nb.cluster.transport import ClusterLike
+    from axon_nb.widgets.dashboard import Dashboard
+
+
+class KeptHandle:
+    """A run of a detached cluster, from its kept files (see the module doc)."""
+
+    def __init__(self, cluster: ClusterLike, root: Path, name: str, started: dict[str, Any]):
+        self._cluster = cluster
+        self._root = root
+        self._name = name
+        self._targets: list[int] = list(started["targets"])
+        self._started = started
+        self._result: TrainResult | None = None
+        self._offsets = dict.fromkeys(self._targets, 0)
+        self._pending = dict.fromkeys(self._targets, b"")
+        self._records: dict[int, dict[int, dict[str, Any]]] = {r: {} for r in self._targets}
+        self._latest: dict[int, dict[str, Any]] = {}
+        self._listeners: list[MetricsListener] = []
+        self._ended: dict[int, str] | None = None
+        self._lock = threading.Lock()
+        self._presenter = RunPresenter(
+            name, label=f"train {name}", steps=int(started["steps"]),
+            world_size=len(self._targets),
+            title=f"{name} · {started.get('strategy', '')} · {len(self._targets)} ranks (attached)",
+        )  # fmt: skip
+        self.add_listener(self._presenter.dashboard)
+        self._monitor = threading.Thread(target=self._watch, name="axon-kept-run", daemon=True)
+        self._monitor.start()
+
+    @classmethod
+    def open(cls, cluster: ClusterLike, root: Path, name: str) -> KeptHandle:
+        """Run ``name`` kept under ``root``; an unknown name lists the runs there are."""
+        try:
+            started = json.loads((run_dir(root, name) / "run.json").read_text())
+        except (OSError, ValueError):
+            runs_dir = root / "runs"
+            names = sorted(p.name for p in runs_dir.iterdir()) if runs_dir.is_dir() else []
+            raise AxonError(
+                f"no run named {name!r} on this cluster (runs: {', '.join(names) or 'none'})"
+            ) from None
+        return cls(cluster, root, name, started)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def done(self) -> bool:
+        """True once every rank kept its summary (or one is gone without)."""
+        return self._ended is not None or self._finished() is not None
+
+    @property
+    def dashboard(self) -> Dashboard:
+        return self._presenter.dashboard
+
+    @property
+    def shown(self) -> bool:
+        return self._presenter.shown
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every step since the run began, in :class:`TrainResult`'s ``history`` format."""
+        self.poll()
+        with self._lock:
+            return merge_records(self._records)
+
+    @property
+    def latest(self) -> dict[int, dict[str, Any]]:
+        self.poll()
+        with self._lock:
+            return dict(self._latest)
+
+    def poll(self) -> None:
+        """Read what the ranks kept since the last poll."""
+        with self._lock:
+            self._read()
+
+    def add_listener(self, listener: MetricsListener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+            for rank, message in self._latest.items():
+                listener.message(rank, {**message, "records": list(self._records[rank].values())})
+            if self._ended is not None:
+                listener.done(self._ended)
+
+    def show(self) -> None:
+        """Display the dashboard (the whole run so far, then live)."""
+        self.poll()
+        self._presenter.show()
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [read_end(self._root, self._name, r) for r in self._targets
+                if end_path(self._root, self._name, r).exists()]  # fmt: skip
+
+    def wait(self, timeout: float | None = None) -> TrainResult:
+        """Block until the run ends; its result, as the kernel that started it would have
+        had it. With ``timeout``: ``TimeoutError`` if it still runs then (it keeps running)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._result is None:
+            finished = self._finished()
+            if finished is not None:
+                self._monitor.join(timeout=10 * MONITOR_S + 5)
+                self._result = _result_of(finished, self._name, self._started)
+                self._presenter.close(self._progress)
+                self._presenter.report(self._result)
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"training {self._name!r} is still running after {timeout:g} s; call "
+                    "wait() again, or stop() to end it at the next step"
+                )
+            self._presenter.tick(self._progress)
+            time.sleep(MONITOR_S)
+        return self._result
+
+    def stop(self, timeout: float | None = None) -> TrainResult:
+        """Stop every rank at the same step boundary and return the result so far."""
+        if not self.done:
+            self._cluster.interrupt(self._targets)
+        return self.wait(timeout)
+
+    def _finished(self) -> dict[int, dict[str, Any]] | None:
+        """Each rank's summary once all are kept; a rank gone without one raises."""
+        ended = {r: end_path(self._root, self._name, r).exists() for r in self._targets}
+        if all(ended.values()):
+            return {r: read_end(self._root, self._name, r) for r in self._targets}
+        record = read_record(self._root)
+        alive = ranks_alive(record) if record is not None else {}
+        gone = [r for r, e in ended.items() if not e and not alive.get(r, False)]
+        if gone:
+            raise RankError(gone[0], "RankDiedError", "its process ended during the run", "", gone)
+        return None
+
+    def _progress(self) -> tuple[int, float | None] | None:
+        with self._lock:
+            if len(self._latest) < len(self._targets):
+                return None
+            done = min(m["step"] - m["start_step"] for m in self._latest.values())
+            records = self._records[self._targets[0]]
+            return done, records[max(records)]["loss"] if records else None
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                self._read()
+                for listener in self._listeners:
+                    listener.tick()
+            try:
+                finished = self._finished() is not None
+            except RankError as e:
+                failures = {e.rank: str(e)}
+                break
+            if finished:
+                self.poll()
+                failures = {}
+                break
+            time.sleep(MONITOR_S)
+        with self._lock:
+            self._ended = failures
+            for listener in self._listeners:
+                listener.done(failures)
+
+    def _read(self) -> None:
+        """Hand each rank's new publications to the listeners (with the lock held)."""
+        for rank in self._targets:
+            for message in self._new_lines(rank):
+                self._latest[rank] = {k: v for k, v in message.items() if k != "records"}
+                for listener in self._listeners:
+                    listener.message(rank, message)
+                for record in message.get("records", ()):
+                    self._records[rank][record["step"]] = record
+
+    def _new_lines(self, rank: int) -> list[dict[str, Any]]:
+        path = stream_path(self._root, self._name, rank)
+        try:
+            with open(path, "rb") as f:
+                f.seek(self._offsets[rank])
+                data = self._pending[rank] + f.read()
+                self._offsets[rank] = f.tell()
+        except OSError:
+            return []
+        *lines, self._pending[rank] = data.split(b"\n")  # (the last may be half written)
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def __repr__(self) -> str:
+        history = self.history
+        at = history[-1]["step"] if history else 0
+        return f"<KeptHandle {self._name!r} {'done' if self.done else 'running'}, step {at}>"
+
+
+def _result_of(summaries: dict[int, dict[str, Any]], name: str, started: dict[str, Any]
+               ) -> TrainResult:  # fmt: skip
+    failed = {r: s["error"] for r, s in summaries.items() if "error" in s}
+    if failed:
+        rank, (ename, evalue) = min(failed.items())
+        raise RankError(rank, ename, evalue, "", sorted(failed))
+    ordered = [summaries[r] for r in sorted(summaries)]
+    if any("aborted" in s for s in ordered):
+        ordered = [s for s in ordered if "aborted" not in s]
+    return build_result(ordered, name=name, strategy=started.get("strategy", ""))
