@@ -85,6 +85,10 @@ class AxonMagics(Magics):
             In [6]: %axon_cluster --list
         """
         args = parse_argstring(self.axon_cluster, line)
+        try:
+            args.idle_timeout = parse_duration(args.idle_timeout)
+        except ValueError as e:
+            raise UsageError(f"--idle-timeout: {e}") from None
         if args.list:
             _list_detached()
         elif args.stop:
@@ -338,7 +342,7 @@ def _cluster_from_args(args: Any) -> Cluster:
             time=args.time,
             detach=args.detach,
             name=args.name,
-            idle_timeout=parse_duration(args.idle_timeout),
+            idle_timeout=args.idle_timeout,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -9,13 +9,20 @@ import json
 import os
 import secrets
 import signal
+import shutil
+import subprocess
+import tempfile
+import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 from helpers import wait_gone
 from jupyter_client.manager import start_new_kernel
-from kernel_client import run_cell
+from kernel_client import shell_reply
+from other_users import STRANGER, SYSTEM_PYTHON, as_user, user_env
+from other_users import missing as users_missing
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -24,6 +31,23 @@ ARGS = "model=make_mlp, data=make_data(), loss={loss}, steps={steps}, batch_size
 
 def _name() -> str:
     return f"t-{secrets.token_hex(3)}"
+
+
+def run_cell(kc, code: str, timeout: float = 120) -> tuple[str, str]:
+    """Execute ``code``: its status and its streams' text with any error's name and value."""
+    msg_id = kc.execute(code)
+    text = []
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        if msg["msg_type"] == "stream":
+            text.append(msg["content"]["text"])
+        elif msg["msg_type"] == "error":
+            text.append(f"{msg['content']['ename']}: {msg['content']['evalue']}\n")
+        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
+    return shell_reply(kc, msg_id, timeout)["content"]["status"], "".join(text)
 
 
 def _ok(kc, code: str, timeout: float = 120) -> str:
@@ -106,3 +130,136 @@ def test_a_run_outlives_its_killed_kernel_and_an_attached_kernel_finds_all_of_it
         assert name not in _ok(kc, "%axon_cluster --list")
     finally:
         km.shutdown_kernel(now=True)
+
+
+def test_two_kernels_attached_at_once_both_see_the_run_and_either_stops_it() -> None:
+    name = _name()
+    (km_a, kc_a), (km_b, kc_b) = _kernel(), _kernel()
+    try:
+        _ok(kc_a, f"%axon_cluster 2 --detach --name {name}\ncluster = axon_nb.current_cluster()")
+        record = _record(name)
+        _ok(kc_b, f"cluster = axon_nb.attach({name!r})")
+        listed = _ok(kc_a, "%axon_cluster --list")
+        assert f"attached: kernel {min(km_a.provisioner.pid, km_b.provisioner.pid)}" in listed
+        loss = "slow_mse(0.02)"
+        _ok(kc_a, f"h = cluster.train({ARGS.format(loss=loss, steps=600)}, block=False)")
+        _ok(kc_b, "h = cluster.handle('model')\nwhile len(h.history) < 5: time.sleep(0.05)\n"
+                  "first = len(h.history)\ntime.sleep(1.5)")  # fmt: skip
+        seen = _value(kc_b, "[first, len(h.history), h.history[0]['step'], h.done]")
+        assert seen[0] < seen[1] and seen[2] == 1 and seen[3] is False  # streaming, whole
+        refused = _ok(kc_b, "try:\n    cluster.run(lambda: 1)\nexcept axon_nb.AxonError as e:\n"
+                            "    print('REFUSED', e)")  # fmt: skip
+        assert "REFUSED run 'model' (step" in refused
+        assert f"another kernel (pid {km_a.provisioner.pid})" in refused
+        assert _value(kc_a, "len(h.history) > 0 and not h.done") is True  # its own run, its own way
+        started = time.monotonic()
+        _ok(kc_b, "cluster.stop()")  # from the kernel that did not start it, mid-run
+        assert wait_gone(_processes(record), 10) == []
+        assert time.monotonic() - started < 10
+    finally:
+        km_a.shutdown_kernel(now=True)
+        km_b.shutdown_kernel(now=True)
+
+
+def test_an_idle_detached_cluster_ends_with_the_notebook_data_it_held() -> None:
+    name = _name()
+    km, kc = _kernel()
+    try:
+        _ok(kc, f"%axon_cluster 2 --detach --name {name} --idle-timeout 4")
+        data = "make_data(40000)"  # its tensors are shared on the host (/dev/shm)
+        _ok(kc, f"axon_nb.current_cluster().train(model=make_mlp, data={data}, loss=mse, "
+                "steps=3, batch_size=32)")  # fmt: skip
+        record = _record(name)
+    finally:
+        km.shutdown_kernel(now=False)  # the kernel exits normally: the cluster stays
+    rank = psutil.Process(record["pids"]["0"])
+    assert any("/dev/shm" in m.path for m in rank.memory_maps())  # holds the shared data
+    time.sleep(1)
+    assert all(psutil.pid_exists(p) for p in _processes(record))  # no kernel, still running
+    assert wait_gone(_processes(record), 4 + 10) == []  # ended after 4 s idle
+    from axon_nb.cluster.detached import clusters
+
+    assert name not in [c.name for c in clusters()]
+
+
+def test_bad_input_says_what_is_wrong_and_loses_nothing() -> None:
+    name = _name()
+    km, kc = _kernel()
+    try:
+        _ok(kc, f"%axon_cluster 2 --detach --name {name}")
+        record = _record(name)
+        _ok(kc, "%%axon\nkept = rank")
+        status, text = run_cell(kc, "%axon_attach no-such-cluster")
+        assert status == "error" and "this kernel already has a cluster" in text
+        status, text = run_cell(kc, "axon_nb.attach('no-such-cluster')")
+        assert status == "error"
+        assert "no detached cluster named 'no-such-cluster' on this host (yours: " in text
+        assert name in text
+        for bad, message in [
+            (f"axon_nb.Cluster(n=2, detach=True, name={name!r}).start()",
+             f"a detached cluster named {name!r} is running: attach to it with"),
+            ("axon_nb.Cluster(n=2, detach=True, name='no spaces')", "cluster name 'no spaces'"),
+            ("axon_nb.Cluster(n=2, name='lab')", "name= names a detached cluster: add detach"),
+            ("axon_nb.Cluster(n=2, detach=True, idle_timeout=0)", "idle_timeout must be a pos"),
+            ("axon_nb.Cluster(n=2, detach=True, hosts='a:1,b:1')", "runs on this host only"),
+        ]:  # fmt: skip
+            said = _ok(kc, f"try:\n    {bad}\nexcept Exception as e:\n    print('ERR', e)")
+            assert message in said, (bad, said)
+        status, text = run_cell(kc, "%axon_cluster 2 --detach --idle-timeout 2x")
+        assert status == "error" and "a duration like 2h, 30m, 90s or 7200" in text
+        # another installation of axon_nb: refused, naming both
+        path = Path(record["cluster_file"]).parent  # (unused: the record is what is read)
+        from axon_nb.cluster.detached import clusters_dir, code_hash
+
+        cluster_json = clusters_dir() / name / "cluster.json"
+        kept = cluster_json.read_text()
+        cluster_json.write_text(kept.replace(record["code_hash"], "0123456789ab"))
+        refused = _ok(kc, f"try:\n    axon_nb.attach({name!r})\nexcept axon_nb.AxonError as e:\n"
+                          "    print('ERR', e)")  # fmt: skip
+        assert "(code 0123456789ab), this kernel has axon_nb" in refused
+        assert f"(code {code_hash()})" in refused
+        cluster_json.write_text(kept)
+        # nothing was lost: the cluster and its names are there
+        assert "[rank 1] 1" in _ok(kc, "%%axon\nprint(kept)")
+        assert path.exists()
+        # another user sees none of this user's clusters and cannot attach
+        if users_missing() is None:
+            stranger = _as_stranger(name)
+            assert stranger["clusters"] == [], stranger
+            assert stranger["attach"].startswith("AxonError: no detached cluster named"), stranger
+            assert stranger["read"] == "PermissionError", stranger
+        # the keeper killed: every rank ends (they may hold GPUs)
+        os.kill(record["keeper_pid"], signal.SIGKILL)
+        assert wait_gone(_processes(record), 10) == []
+    finally:
+        km.shutdown_kernel(now=True)
+
+
+def _as_stranger(name: str) -> dict:
+    """What another local user gets: their clusters, an attach to ours, a read of our record."""
+    from axon_nb.cluster.detached import clusters_dir
+
+    home = Path(tempfile.mkdtemp(prefix="axon-stranger-"))  # (pytest's are root's only)
+    home.chmod(0o777)
+    code = textwrap.dedent(f"""
+        import json, axon_nb
+        out = {{"clusters": [c.name for c in axon_nb.clusters()]}}
+        try:
+            axon_nb.attach({name!r})
+            out["attach"] = "attached"
+        except Exception as e:
+            out["attach"] = f"{{type(e).__name__}}: {{e}}"
+        try:
+            open({str(clusters_dir() / name / "cluster.json")!r}).read()
+            out["read"] = "read"
+        except Exception as e:
+            out["read"] = type(e).__name__
+        print(json.dumps(out))
+    """)
+    done = subprocess.run(
+        as_user(STRANGER, [SYSTEM_PYTHON, "-c", code]),
+        env=user_env(home), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    shutil.rmtree(home, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))

@@ -21,7 +21,6 @@ import functools
 import hashlib
 import json
 import os
-import re
 import secrets
 import shutil
 import socket
@@ -30,12 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from axon_nb.cluster.options import NAME_PATTERN, check_name
 from axon_nb.cluster.stopping import alive
 from axon_nb.errors import AxonError
 from axon_nb.spec.kept_runs import KeptRun, kept_runs
-
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-"""A cluster's name: a file name on every system (letters, digits, ``_.-``; 64 at most)."""
 
 
 def clusters_dir() -> Path:
@@ -76,11 +73,7 @@ def claim_name(name: str | None) -> tuple[str, Path]:
     this user is refused (a stale one, whose keeper is gone, is taken over)."""
     if name is None:
         name = f"axon-{secrets.token_hex(3)}"
-    if not NAME_PATTERN.fullmatch(name):
-        raise ValueError(
-            f"cluster name {name!r}: use letters, digits, '_', '.' and '-' (64 at most), "
-            "starting with a letter or digit"
-        )
+    check_name(name)
     root = clusters_dir() / name
     if root.exists():
         record = read_record(root)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,9 +131,23 @@ class ClusterOptions:
             )
 
 
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""A cluster's name: a file name on every system (letters, digits, ``_.-``; 64 at most)."""
+
+
+def check_name(name: str) -> None:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise ValueError(
+            f"cluster name {name!r}: use letters, digits, '_', '.' and '-' (64 at most), "
+            "starting with a letter or digit"
+        )
+
+
 def _check_detach(options: ClusterOptions) -> None:
     if options.name is not None and not options.detach:
         raise ValueError("name= names a detached cluster: add detach=True (--detach)")
+    if options.name is not None:
+        check_name(options.name)
     if not _positive_seconds(options.idle_timeout):
         raise ValueError(
             f"idle_timeout must be a positive, finite number of seconds, got "
@@ -150,8 +165,6 @@ def parse_duration(text: str) -> float:
 
     parse_duration("1h30m")   # 5400.0
     """
-    import re
-
     units = {"d": 86400, "h": 3600, "m": 60, "s": 1, "": 1}
     parts = re.fullmatch(r"(?:(\d+(?:\.\d+)?)([dhms]?))+", text.strip())
     if not parts:
