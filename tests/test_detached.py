@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import shutil
+import signal
 import subprocess
 import tempfile
 import textwrap

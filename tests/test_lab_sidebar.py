@@ -12,7 +12,10 @@ notebook.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +43,20 @@ CELLS = [
 ]
 
 
+RUNTIME: dict[str, str] = {}
+"""The server's Jupyter runtime directory (where the sidebar's registry is)."""
+
+DETACHED = """
+import os, sys
+import axon_nb
+from models import make_data, make_mlp, slow_mse
+cluster = axon_nb.Cluster(n=2, detach=True, name=sys.argv[1]).start()
+cluster.train(model=make_mlp, data=make_data(), loss=slow_mse(0.05), steps=100_000,
+              batch_size=32, block=False)
+os._exit(0)  # the script ends (as a notebook's kernel may): the cluster and its run go on
+"""
+
+
 def _notebook(path: Path, cells: list[str]) -> None:
     path.write_text(json.dumps({
         "cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
@@ -57,6 +74,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
     _notebook(root / "sidebar.ipynb", CELLS)
     shutil.copy(ROOT / "examples" / "dashboard.ipynb", root)
     runtime = {"JUPYTER_RUNTIME_DIR": str(root / "runtime")}
+    RUNTIME.update(runtime)
     with jupyter_lab(root, "jupyterlab-sidebar.log", runtime) as server:
         yield server
 
@@ -159,3 +177,37 @@ def test_dashboard_widget_renders_and_advances_in_notebook_7(
         page.locator(".axon-dashboard").screenshot(path=str(ARTIFACTS / "notebook7-dashboard.png"))
         command(page, "kernelmenu:interrupt")
         page.wait_for_selector(".axon-chip.axon-stopped >> nth=1", timeout=60_000)
+
+
+def test_sidebar_shows_a_detached_cluster_to_attach_to_and_stops_it(
+    server: tuple[str, str], browser: Any
+) -> None:
+    """A detached cluster, whose kernel is gone, is listed by its keeper: its name, its run,
+    a copyable ``%axon_attach NAME``; "Stop cluster" ends every process of it."""
+    import psutil
+    from helpers import wait_gone
+
+    base, token = server
+    name = f"side-{int(time.time())}"
+    env = {**os.environ, **RUNTIME}
+    started = subprocess.run([sys.executable, "-c", DETACHED, name], env=env, timeout=180,
+                             capture_output=True, text=True)  # fmt: skip
+    assert started.returncode == 0, started.stderr[-3000:]
+    record = json.loads(
+        (Path(RUNTIME["JUPYTER_RUNTIME_DIR"]) / "axon-clusters" / name / "cluster.json").read_text()
+    )
+    pids = [*record["pids"].values(), *record["roots"], record["keeper_pid"]]
+    with notebook_page(browser, f"{base}/lab/tree/sidebar.ipynb?token={token}") as page:
+        command(page, "axon-nb:open-sidebar")
+        entry = page.locator("#axon-nb-sidebar .axon-nb-cluster", has_text=f"detached · {name}")
+        entry.wait_for(timeout=60_000)
+        assert entry.locator(".axon-nb-attach").inner_text() == f"%axon_attach {name}"
+        assert "no kernel attached" in entry.locator(".axon-nb-detached").inner_text()
+        entry.locator(".axon-nb-run[data-state=running]").wait_for(timeout=60_000)
+        assert entry.locator(".axon-nb-control[data-action=restart]").count() == 0
+        entry.locator(".axon-nb-copy-attach").click()
+        page.locator("#axon-nb-sidebar").screenshot(path=str(ARTIFACTS / "sidebar-detached.png"))
+        entry.locator(".axon-nb-control[data-action=stop_cluster]").click()
+        page.locator(".jp-Dialog .jp-mod-warn").click()
+        entry.wait_for(state="detached", timeout=60_000)
+    assert wait_gone([p for p in pids if psutil.pid_exists(p)], 15) == []

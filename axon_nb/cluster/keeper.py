@@ -20,13 +20,17 @@ IDLE_TIMEOUT_S``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
+from axon_nb.cluster import detached_registry
 from axon_nb.cluster.detached import attached, ranks_alive, read_record
 from axon_nb.cluster.reaper import remove_files
 from axon_nb.cluster.stopping import alive, process_tree, terminate_then_kill
@@ -49,23 +53,47 @@ def main(argv: list[str]) -> int:
         record = read_record(root)
         if record is None:
             if seen or not root.exists():
+                detached_registry.remove(root.name)
                 return 0  # a kernel stopped it
             if not alive(kernel_pid) or _asked:
-                break  # its kernel died while starting it
+                why = "its kernel died while starting it"
+                break
         else:
             seen = True
+            if _sidebar(root, record) == "stop_cluster":
+                why = "stopped from the sidebar"
+                break
             busy = attached(root) or any(r.running for r in kept_runs(root, ranks_alive(record)))
             idle_since = None if busy else idle_since or time.monotonic()
-            if _asked or (idle_since is not None and time.monotonic() - idle_since >= idle_timeout):
+            if _asked:
+                why = "asked to stop"
+                break
+            if idle_since is not None and time.monotonic() - idle_since >= idle_timeout:
+                why = f"idle for {idle_timeout:g} s"
                 break
         time.sleep(POLL_S)
-    why = "asked to stop" if _asked else "idle" if seen else "its kernel died while starting it"
     print(f"ending the cluster: {why}", flush=True)
     terminate_then_kill(process_tree(roots), roots)
+    detached_registry.remove(root.name)
     remove_files(cluster_file)
     shutil.rmtree(watch_dir, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def _sidebar(root: Path, record: dict[str, Any]) -> str | None:
+    """Publish the cluster in JupyterLab's sidebar and carry out its control, if any."""
+    try:
+        detached_registry.publish(root, record)
+        action = detached_registry.take_control(record)
+    except Exception as e:  # (the sidebar is a view: the cluster is kept either way)
+        print(f"the sidebar entry could not be written: {e}", flush=True)
+        return None
+    if action in ("stop_run", "interrupt"):  # what Ctrl-C does: SIGINT to every rank
+        for pid in record.get("pids", {}).values():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGINT)
+    return action
 
 
 def _on_term(signum: int, frame: FrameType | None) -> None:

@@ -62,6 +62,7 @@ class KeptRun:
     run: str
     """The run's id (a publication names it)."""
     steps: int
+    strategy: str
     targets: list[int]
     kernel_pid: int
     step: int
@@ -92,6 +93,7 @@ def read_run(root: str | os.PathLike[str], name: str, alive: dict[int, bool]) ->
         name=name,
         run=started["run"],
         steps=int(started["steps"]),
+        strategy=str(started.get("strategy", "")),
         targets=targets,
         kernel_pid=int(started["kernel_pid"]),
         step=last_step(stream_path(root, name, targets[0])),

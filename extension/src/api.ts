@@ -28,7 +28,14 @@ export interface RunState {
   layout_changes?: LayoutChange[];
   failed_ranks: number[];
   stalled_ranks: number[];
-  dashboard: Record<string, unknown>;
+  dashboard: Record<string, unknown> | null;
+}
+
+/** A detached cluster (its keeper publishes it): its name and who is attached. */
+export interface DetachedState {
+  name: string;
+  attach: string;
+  attached: number[];
 }
 
 export interface ClusterState {
@@ -42,6 +49,7 @@ export interface ClusterState {
   status: 'running' | 'stopped' | 'broken';
   memory: MemoryRow[];
   run: RunState | null;
+  detached?: DetachedState;
 }
 
 export type Action = 'stop_run' | 'interrupt' | 'restart' | 'stop_cluster';

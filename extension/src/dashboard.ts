@@ -52,7 +52,7 @@ export function dashboardTab(poller: ClusterPoller, key: string): MainAreaWidget
   }
   const refresh = () => {
     const run = poller.find(key)?.run;
-    if (run) {
+    if (run?.dashboard) {
       model.update(run.dashboard);
     }
   };

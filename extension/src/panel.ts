@@ -1,7 +1,8 @@
 // The "Axon" sidebar: every cluster of this server's kernels, its run, and the controls.
+import { Clipboard } from '@jupyterlab/apputils';
 import { Widget } from '@lumino/widgets';
 
-import { Action, ClusterState, LayoutChange, RunState } from './api';
+import { Action, ClusterState, DetachedState, LayoutChange, RunState } from './api';
 import { LABELS, confirmAndSend } from './confirm';
 import { bytes, el, seconds, sparkline } from './format';
 import { ClusterPoller } from './poller';
@@ -38,21 +39,39 @@ export class AxonPanel extends Widget {
 
   private _cluster(c: ClusterState): HTMLElement {
     const devices = [...new Set(c.devices)].join(', ') || '–';
+    const title = c.detached
+      ? `detached · ${c.detached.name}`
+      : c.notebook
+        ? c.notebook.split('/').pop() ?? c.notebook
+        : `kernel ${c.kernel_id.slice(0, 8)}`;
     const box = el('section', { class: 'axon-nb-cluster', 'data-key': c.key }, [
-      el('div', { class: 'axon-nb-title', title: c.notebook ?? c.kernel_id }, [
-        c.notebook ? c.notebook.split('/').pop() ?? c.notebook : `kernel ${c.kernel_id.slice(0, 8)}`
-      ]),
+      el('div', { class: 'axon-nb-title', title: c.notebook ?? c.kernel_id }, [title]),
       el('div', { class: 'axon-nb-meta' }, [
         `${c.ranks} ranks · ${c.hosts.join(', ') || '–'} · ${devices} · ${c.backend ?? '–'} · `,
         el('span', { class: `axon-nb-status axon-nb-${c.status}` }, [c.status])
       ]),
       this._memory(c)
     ]);
+    if (c.detached) {
+      box.append(this._attach(c.detached));
+    }
     if (c.run) {
       box.append(this._run(c.key, c.run));
     }
     box.append(this._buttons(c));
     return box;
+  }
+
+  /** A detached cluster: who is attached, and the line that attaches a notebook to it. */
+  private _attach(d: DetachedState): HTMLElement {
+    const copy = el('button', { class: 'jp-mod-styled axon-nb-copy-attach', title: 'Copy to the clipboard' }, ['Copy']);
+    copy.addEventListener('click', () => Clipboard.copyToSystem(d.attach));
+    const who = d.attached.length ? `attached: kernel ${d.attached.join(', ')}` : 'no kernel attached';
+    return el('div', { class: 'axon-nb-detached' }, [
+      el('div', { class: 'axon-nb-meta' }, [who]),
+      el('code', { class: 'axon-nb-attach' }, [d.attach]),
+      copy
+    ]);
   }
 
   private _memory(c: ClusterState): HTMLElement {
@@ -90,7 +109,7 @@ export class AxonPanel extends Widget {
       sparkline(run.losses, changes.map(c => ({ step: c.step, title: moved(c) }))),
       ...(changes.length ? [this._layoutChanges(changes)] : []),
       ...(trouble.length ? [el('div', { class: 'axon-nb-error' }, [trouble.join(' · ')])] : []),
-      open
+      ...(run.dashboard ? [open] : []) // (a detached cluster's keeper has no dashboard: attach)
     ]);
   }
 
@@ -103,7 +122,10 @@ export class AxonPanel extends Widget {
   }
 
   private _buttons(c: ClusterState): HTMLElement {
-    const actions: Action[] = ['stop_run', 'interrupt', 'restart', 'stop_cluster'];
+    // a detached cluster's keeper stops runs and the cluster; restarting needs a kernel
+    const actions: Action[] = c.detached
+      ? ['stop_run', 'interrupt', 'stop_cluster']
+      : ['stop_run', 'interrupt', 'restart', 'stop_cluster'];
     const buttons = actions.map(action => {
       const button = el('button', { class: 'jp-mod-styled axon-nb-control', 'data-action': action }, [LABELS[action]]);
       if (action === 'stop_run' && c.run?.state !== 'running') {
