@@ -51,8 +51,10 @@ import os, sys
 import axon_nb
 from models import make_data, make_mlp, slow_mse
 cluster = axon_nb.Cluster(n=2, detach=True, name=sys.argv[1]).start()
-cluster.train(model=make_mlp, data=make_data(), loss=slow_mse(0.05), steps=100_000,
-              batch_size=32, block=False)
+run = cluster.train(model=make_mlp, data=make_data(), loss=slow_mse(0.05), steps=100_000,
+                    batch_size=32, block=False)
+while not run.history:  # (the run has reached the ranks)
+    import time; time.sleep(0.05)
 os._exit(0)  # the script ends (as a notebook's kernel may): the cluster and its run go on
 """
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+IN_FLIGHT_S = 30.0
+"""A run whose ranks have not begun it this long after its kernel sent it never arrived (the
+kernel died as it sent it): it no longer counts as running."""
 OUTPUT_LIMIT_BYTES = 4 * 2**20
 """A rank's kept output file is rotated (to ``.out.1``, replacing the older one) past this."""
 
@@ -89,6 +93,8 @@ def read_run(root: str | os.PathLike[str], name: str, alive: dict[int, bool]) ->
         return None
     targets = list(started["targets"])
     ended = [r for r in targets if end_path(root, name, r).exists()]
+    begun = any(stream_path(root, name, r).exists() for r in targets)  # (made as it begins)
+    in_flight = time.time() - float(started.get("started_at", 0)) < IN_FLIGHT_S
     return KeptRun(
         name=name,
         run=started["run"],
@@ -98,7 +104,8 @@ def read_run(root: str | os.PathLike[str], name: str, alive: dict[int, bool]) ->
         kernel_pid=int(started["kernel_pid"]),
         step=last_step(stream_path(root, name, targets[0])),
         ended=ended,
-        running=any(alive.get(r, False) for r in targets if r not in ended),
+        running=(begun or in_flight)
+        and any(alive.get(r, False) for r in targets if r not in ended),
     )
 
 

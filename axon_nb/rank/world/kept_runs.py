@@ -96,6 +96,7 @@ def kept_sink(sink: Callable[[dict[str, Any]], None], name: str, run: str) -> An
         path.unlink()
     with contextlib.suppress(FileNotFoundError):
         end_path(root, name, _state["rank"]).unlink()
+    path.touch(mode=0o600)  # (the run has begun here: kernels count it as running)
 
     def publish(message: dict[str, Any]) -> None:
         with open(path, "a") as f:
