@@ -123,6 +123,10 @@ def test_a_run_outlives_its_killed_kernel_and_an_attached_kernel_finds_all_of_it
         assert "[rank 1] 42" in _ok(kc, "%%axon\nprint(marker)")  # names of earlier cells
         assert _value(kc, "cluster.evaluate(make_data(), loss=mse, batch_size=64)['loss'] "
                           "< result.losses[0]") is True  # fmt: skip
+        # the model goes on: saved, and trained on from where the run ended (resume=True)
+        _ok(kc, "import tempfile\nsaved = cluster.save(tempfile.mkdtemp() + '/ckpt')")
+        more = ARGS.format(loss="mse", steps=10)
+        assert _value(kc, f"cluster.train({more}, resume=True).step") == 410  # 400 + 10 more
         started = time.monotonic()
         _ok(kc, "%axon_cluster --stop")
         assert wait_gone(_processes(record), 10) == []
@@ -132,7 +136,8 @@ def test_a_run_outlives_its_killed_kernel_and_an_attached_kernel_finds_all_of_it
         km.shutdown_kernel(now=True)
 
 
-def test_two_kernels_attached_at_once_both_see_the_run_and_either_stops_it() -> None:
+@pytest.mark.parametrize("stopper", ["attached", "starter"])
+def test_two_kernels_attached_at_once_both_see_the_run_and_either_stops_it(stopper: str) -> None:
     name = _name()
     (km_a, kc_a), (km_b, kc_b) = _kernel(), _kernel()
     try:
@@ -153,7 +158,7 @@ def test_two_kernels_attached_at_once_both_see_the_run_and_either_stops_it() -> 
         assert f"another kernel (pid {km_a.provisioner.pid})" in refused
         assert _value(kc_a, "len(h.history) > 0 and not h.done") is True  # its own run, its own way
         started = time.monotonic()
-        _ok(kc_b, "cluster.stop()")  # from the kernel that did not start it, mid-run
+        _ok(kc_b if stopper == "attached" else kc_a, "cluster.stop()")  # mid-run
         assert wait_gone(_processes(record), 10) == []
         assert time.monotonic() - started < 10
     finally:
@@ -161,22 +166,27 @@ def test_two_kernels_attached_at_once_both_see_the_run_and_either_stops_it() -> 
         km_b.shutdown_kernel(now=True)
 
 
-def test_an_idle_detached_cluster_ends_with_the_notebook_data_it_held() -> None:
-    name = _name()
+def test_a_detached_cluster_survives_a_kernel_restart_and_ends_when_idle_with_its_data() -> None:
     km, kc = _kernel()
     try:
-        _ok(kc, f"%axon_cluster 2 --detach --name {name} --idle-timeout 4")
+        said = _ok(kc, "%axon_cluster 2 --detach --idle-timeout 15")  # a name is made up
+        name = said.split("Detached as '", 1)[1].split("'", 1)[0]
+        assert name.startswith("axon-") and f"%axon_attach {name}" in said
         data = "make_data(40000)"  # its tensors are shared on the host (/dev/shm)
         _ok(kc, f"axon_nb.current_cluster().train(model=make_mlp, data={data}, loss=mse, "
                 "steps=3, batch_size=32)")  # fmt: skip
         record = _record(name)
+        km.restart_kernel(now=True)  # Jupyter's restart: SIGKILL to the kernel's process group
+        unattached = time.monotonic()
+        assert all(psutil.pid_exists(p) for p in _processes(record))
     finally:
-        km.shutdown_kernel(now=False)  # the kernel exits normally: the cluster stays
+        km.shutdown_kernel(now=False)
     rank = psutil.Process(record["pids"]["0"])
     assert any("/dev/shm" in m.path for m in rank.memory_maps())  # holds the shared data
-    time.sleep(1)
+    assert time.monotonic() - unattached < 12
     assert all(psutil.pid_exists(p) for p in _processes(record))  # no kernel, still running
-    assert wait_gone(_processes(record), 4 + 10) == []  # ended after 4 s idle
+    left = 15 + 10 - (time.monotonic() - unattached)
+    assert wait_gone(_processes(record), left) == []  # ended 15 s after the last kernel left
     from axon_nb.cluster.detached import clusters
 
     assert name not in [c.name for c in clusters()]
