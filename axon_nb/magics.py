@@ -257,8 +257,9 @@ class AxonMagics(Magics):
             raise UsageError("give the cluster's name, e.g. `%axon_attach lab` (see --list)")
         if self.cluster is not None and self.cluster.running and self.cluster.name != name:
             raise UsageError(
-                "this kernel already has a cluster: `%axon_cluster --stop` it first (a "
-                "detached one keeps running)"
+                "this kernel already has a cluster (`%axon_cluster --status`): attach from "
+                "another kernel, or end this one first with `%axon_cluster --stop` (which "
+                "ends it, detached or not)"
             )
         from axon_nb.cluster.attach_api import attach
 

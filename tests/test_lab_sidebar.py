@@ -207,7 +207,9 @@ def test_sidebar_shows_a_detached_cluster_to_attach_to_and_stops_it(
         assert "no kernel attached" in entry.locator(".axon-nb-detached").inner_text()
         entry.locator(".axon-nb-run[data-state=running]").wait_for(timeout=60_000)
         assert entry.locator(".axon-nb-control[data-action=restart]").count() == 0
+        page.context.grant_permissions(["clipboard-read", "clipboard-write"])
         entry.locator(".axon-nb-copy-attach").click()
+        assert page.evaluate("navigator.clipboard.readText()") == f"%axon_attach {name}"
         page.locator("#axon-nb-sidebar").screenshot(path=str(ARTIFACTS / "sidebar-detached.png"))
         entry.locator(".axon-nb-control[data-action=stop_cluster]").click()
         page.locator(".jp-Dialog .jp-mod-warn").click()

@@ -144,8 +144,9 @@ class Cluster(FeatureDelegates):  # (a ClusterLike: Transport, and what features
             if opts.detach:
                 self.detached = Detached.claim(opts.name)
                 self.options = opts = dataclasses.replace(opts, name=self.detached.name)
-                guardian = self.detached.start_keeper(cluster.cluster_file, str(self._watch.path),
-                                                      launched, opts.idle_timeout)  # fmt: skip
+                guardian = self.detached.start_keeper(opts.n, cluster.cluster_file,
+                                                      str(self._watch.path), launched,
+                                                      opts.idle_timeout)  # fmt: skip
             self._reaper = reaper.spawn(
                 guardian, cluster.cluster_file, str(self._watch.path), launched
             )
@@ -216,13 +217,17 @@ class Cluster(FeatureDelegates):  # (a ClusterLike: Transport, and what features
     def attach(cls, name: str) -> Cluster:
         """The running detached cluster ``name`` of this user (``axon_nb.attach``)."""
         detached, record = open_detached(name)
+        detached.hold_lease()  # (first: the keeper cannot end it as idle meanwhile)
         opts = record["options"]
         cluster = cls(**{**opts, "gpus": opts["gpus"] and tuple(opts["gpus"])}, detach=True,
                       name=name)  # fmt: skip
-        cluster._ipp, cluster._client = attaching.connect(record, cluster.options.start_timeout)
+        try:
+            cluster._ipp, cluster._client = attaching.connect(record, opts["start_timeout"])
+        except BaseException:
+            detached.let_go()
+            raise
         cluster.ranks, cluster.detached = record["ranks"], detached
         cluster._watch = WatchDir(pathlib.Path(record["watch_dir"]))
-        detached.hold_lease()
         atexit.register(cluster._at_exit)
         return cluster
 

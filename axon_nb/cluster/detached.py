@@ -24,26 +24,67 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from axon_nb.cluster.options import NAME_PATTERN, check_name
 from axon_nb.cluster.stopping import alive
 from axon_nb.errors import AxonError
 from axon_nb.spec.kept_runs import KeptRun, kept_runs
 
+STARTING_S = 60.0
+"""A cluster's directory without a record this long after it was made is stale (the keeper's
+first record is written within a second of the claim)."""
+
 
 def clusters_dir() -> Path:
-    """This user's directory of detached clusters (made 0700 if missing)."""
+    """This user's directory of detached clusters (made 0700 if missing); refused unless it
+    and the runtime directory above it are this user's and closed to others (anyone who
+    could write there could plant a record, and with it a controller to connect to or a
+    pickle to load)."""
     from jupyter_core.paths import jupyter_runtime_dir
 
     base = Path(jupyter_runtime_dir())
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = base / "axon-clusters"
     path.mkdir(exist_ok=True, mode=0o700)
+    for directory in (base, path):
+        info = directory.lstat()
+        if info.st_uid != os.getuid() or stat.S_ISLNK(info.st_mode) or info.st_mode & 0o022:
+            raise AxonError(
+                f"{directory} must be a directory of yours (uid {os.getuid()}) that no one "
+                "else can write to: fix its owner and mode (chmod 700), or set "
+                "JUPYTER_RUNTIME_DIR to one that is"
+            )
+    path.chmod(0o700)
     return path
+
+
+def process_start(pid: int) -> float | None:
+    """When process ``pid`` started (None: there is none), to tell it from a later process
+    that was given the same pid."""
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def same_process(pid: int, started: float | None) -> bool:
+    """Process ``pid`` runs and is the one that started at ``started`` (a zombie has ended)."""
+    if pid <= 0 or not alive(pid):
+        return False
+    now = process_start(pid)
+    return started is None or (now is not None and abs(now - started) < 1.0)
+
+
+def keeper_alive(record: dict[str, Any]) -> bool:
+    """The record's keeper still runs (not another process that got its pid)."""
+    return same_process(int(record.get("keeper_pid", -1)), record.get("keeper_started"))
 
 
 @functools.cache
@@ -69,22 +110,28 @@ def version() -> str:
 
 
 def claim_name(name: str | None) -> tuple[str, Path]:
-    """``name`` (or a new one) and its new directory; a name held by a running cluster of
-    this user is refused (a stale one, whose keeper is gone, is taken over)."""
+    """``name`` (or a new one) and its new directory, made here (an exclusive ``mkdir``); a
+    name held by a running or starting cluster of this user is refused (a stale one, whose
+    keeper is gone, is taken over)."""
     if name is None:
         name = f"axon-{secrets.token_hex(3)}"
     check_name(name)
     root = clusters_dir() / name
-    if root.exists():
-        record = read_record(root)
-        if record is not None and alive(record.get("keeper_pid", -1)):
-            raise AxonError(
-                f"a detached cluster named {name!r} is running: attach to it with "
-                f"`%axon_attach {name}`, or choose another name"
-            )
-        shutil.rmtree(root, ignore_errors=True)
-    root.mkdir(mode=0o700)
-    return name, root
+    for _ in range(2):
+        try:
+            root.mkdir(mode=0o700)
+            return name, root
+        except FileExistsError:
+            record = read_record(root)
+            if (record is not None and keeper_alive(record)) or (
+                record is None and not _older_than(root, STARTING_S)
+            ):
+                raise AxonError(
+                    f"a detached cluster named {name!r} is running or starting: attach to it "
+                    f"with `%axon_attach {name}`, or choose another name"
+                ) from None
+            shutil.rmtree(root, ignore_errors=True)  # (its keeper is gone: stale)
+    raise AxonError(f"could not claim the name {name!r}: another start took it just now")
 
 
 def write_record(root: Path, record: dict[str, Any]) -> None:
@@ -102,10 +149,11 @@ def read_record(root: Path) -> dict[str, Any] | None:
 
 
 def hold_lease(root: Path) -> None:
-    """Mark this kernel as attached to the cluster at ``root``."""
+    """Mark this kernel as attached to the cluster at ``root`` (the lease names this
+    process's start time: a later process given its pid holds no lease)."""
     leases = root / "attached"
     leases.mkdir(mode=0o700, exist_ok=True)
-    (leases / str(os.getpid())).write_text(str(time.time()))
+    (leases / str(os.getpid())).write_text(repr(process_start(os.getpid())))
 
 
 def release_lease(root: Path) -> None:
@@ -117,7 +165,11 @@ def attached(root: Path) -> list[int]:
     leases = root / "attached"
     pids = []
     for lease in leases.iterdir() if leases.is_dir() else []:
-        if lease.name.isdigit() and alive(int(lease.name)):
+        try:
+            started = float(lease.read_text())
+        except (OSError, ValueError):
+            started = None
+        if lease.name.isdigit() and same_process(int(lease.name), started):
             pids.append(int(lease.name))
         else:
             lease.unlink(missing_ok=True)
@@ -125,7 +177,9 @@ def attached(root: Path) -> list[int]:
 
 
 def ranks_alive(record: dict[str, Any]) -> dict[int, bool]:
-    return {int(r): alive(pid) for r, pid in record.get("pids", {}).items()}
+    """Whether each rank's process still runs (the one the record names)."""
+    times = record.get("pid_started", {})
+    return {int(r): same_process(pid, times.get(r)) for r, pid in record.get("pids", {}).items()}
 
 
 @dataclass(frozen=True)
@@ -166,8 +220,8 @@ def clusters() -> list[DetachedCluster]:
     found = []
     for root in sorted(clusters_dir().iterdir()):
         record = read_record(root)
-        if record is None or not alive(record.get("keeper_pid", -1)):
-            if record is not None or _older_than(root, 60):  # (one being made is left alone)
+        if record is None or not keeper_alive(record):
+            if record is not None or _older_than(root, STARTING_S):  # (one being claimed)
                 shutil.rmtree(root, ignore_errors=True)
             continue
         found.append(
@@ -190,7 +244,7 @@ def find(name: str) -> Path:
     if NAME_PATTERN.fullmatch(name):
         root = clusters_dir() / name
         record = read_record(root)
-        if record is not None and alive(record.get("keeper_pid", -1)) and record["ranks"]:
+        if record is not None and keeper_alive(record) and record["ranks"]:
             return root
     names = [c.name for c in clusters()]
     there = f"yours: {', '.join(names)}" if names else "you have none running"

@@ -29,8 +29,9 @@ from axon_nb.spec.lab_protocol import ACTIONS
 
 
 def key_of(name: str) -> str:
-    """The registry key of detached cluster ``name`` (a key has letters, digits, _ and -)."""
-    return "detached-" + name.replace(".", "_")
+    """The registry key of detached cluster ``name`` (a key has letters, digits, _ and -;
+    one name, one key: ``_`` is written ``__`` and ``.`` ``_d``)."""
+    return "detached-" + name.replace("_", "__").replace(".", "_d")
 
 
 def publish(root: Path, record: dict[str, Any]) -> None:

@@ -56,10 +56,18 @@ KEEPER_END_S = 5.0
 class Detached:
     """The directory and keeper of one detached cluster, from a kernel's side."""
 
-    def __init__(self, name: str, root: Path, keeper_pid: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        root: Path,
+        keeper_pid: int | None = None,
+        keeper_started: float | None = None,
+    ) -> None:
         self.name = name
         self.root = root
         self.keeper_pid = keeper_pid
+        self.keeper_started = keeper_started
+        """When the keeper process started (to tell it from a later process with its pid)."""
 
     @classmethod
     def claim(cls, name: str | None) -> Detached:
@@ -67,10 +75,10 @@ class Detached:
         return cls(*records.claim_name(name))
 
     def start_keeper(
-        self, cluster_file: str, watch_dir: str, roots: list[int], idle_timeout: float
+        self, n: int, cluster_file: str, watch_dir: str, roots: list[int], idle_timeout: float
     ) -> int:
         """Start the keeper in its own session (so the kernel's signals and its process
-        group's end miss it); its pid."""
+        group's end miss it) and write the first record (``n`` ranks, starting); its pid."""
         with open(self.root / "keeper.log", "ab") as log:
             keeper = subprocess.Popen(
                 [sys.executable, "-m", "axon_nb.cluster.keeper", str(self.root),
@@ -79,6 +87,11 @@ class Detached:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             )  # fmt: skip
         self.keeper_pid = keeper.pid
+        self.keeper_started = records.process_start(keeper.pid)
+        records.write_record(self.root, {
+            "name": self.name, "started_at": time.time(), "options": {"n": n}, "ranks": [],
+            "keeper_pid": keeper.pid, "keeper_started": self.keeper_started,
+        })  # fmt: skip
         return keeper.pid
 
     def finish_start(
@@ -97,11 +110,13 @@ class Detached:
                         "timeout", "start_timeout", "hang_timeout", "idle_timeout")},
             "ranks": cluster.ranks,
             "pids": {str(r): pid for r, pid in enumerate(pids)},
+            "pid_started": {str(r): records.process_start(pid) for r, pid in enumerate(pids)},
             "cluster_file": cluster_file,
             "watch_dir": watch_dir,
             "relay": relay_routes(cluster.client),
             "roots": roots,
             "keeper_pid": self.keeper_pid,
+            "keeper_started": self.keeper_started,
         }  # fmt: skip
         records.write_record(self.root, record)
         self.hold_lease()
@@ -117,11 +132,12 @@ class Detached:
         directory = run_dir(self.root, name)
         directory.parent.mkdir(mode=0o700, exist_ok=True)
         directory.mkdir(mode=0o700, exist_ok=True)
-        for old in directory.iterdir():
-            old.unlink(missing_ok=True)
         started = {"run": run, "steps": steps, "targets": targets, "strategy": strategy,
                    "kernel_pid": os.getpid(), "started_at": time.time()}  # fmt: skip
         write_atomically(directory / "run.json", json.dumps(started).encode())
+        for old in directory.iterdir():  # (the earlier run's stream and summaries)
+            if old.name != "run.json":
+                old.unlink(missing_ok=True)
 
     def busy_run(self) -> KeptRun | None:
         """A run in progress that another kernel started (work from this one would wait
@@ -154,7 +170,9 @@ class Detached:
         end the keeper, remove its directory."""
         with contextlib.suppress(OSError):
             (self.root / "cluster.json").unlink()
-        if self.keeper_pid is not None:
+        if self.keeper_pid is not None and records.same_process(
+            self.keeper_pid, self.keeper_started
+        ):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(self.keeper_pid, signal.SIGTERM)
             deadline = time.monotonic() + KEEPER_END_S
@@ -188,7 +206,7 @@ def open_detached(name: str) -> tuple[Detached, dict[str, Any]]:
             f"kernel has axon_nb {ours[0]} (code {ours[1]}): attach from a kernel of the "
             f"same installation, or end it with axon_nb.stop_detached({name!r})"
         )
-    return Detached(name, root, record["keeper_pid"]), record
+    return Detached(name, root, record["keeper_pid"], record.get("keeper_started")), record
 
 
 def stop_detached(name: str) -> None:
@@ -198,9 +216,11 @@ def stop_detached(name: str) -> None:
         axon_nb.stop_detached("lab")
     """
     root = records.find(name)
-    record = records.read_record(root) or {}
-    pid = int(record.get("keeper_pid", -1))
-    with contextlib.suppress(ProcessLookupError):
+    record = records.read_record(root)
+    if record is None or not records.keeper_alive(record):
+        return  # (it ended just now)
+    pid = int(record["keeper_pid"])
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 15
     while alive(pid) and time.monotonic() < deadline:

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from axon_nb.cluster import detached_registry
+from axon_nb.cluster import detached_registry, mpi_leftovers
 from axon_nb.cluster.detached import attached, ranks_alive, read_record
 from axon_nb.cluster.reaper import remove_files
 from axon_nb.cluster.stopping import alive, process_tree, terminate_then_kill
@@ -47,38 +47,48 @@ def main(argv: list[str]) -> int:
     roots = [int(p) for p in argv[4].split(",") if p]
     idle_timeout = float(argv[5])
     signal.signal(signal.SIGTERM, _on_term)
-    seen = False
     idle_since: float | None = None
     while True:
-        record = read_record(root)
-        if record is None:
-            if seen or not root.exists():
-                detached_registry.remove(root.name)
-                return 0  # a kernel stopped it
-            if not alive(kernel_pid) or _asked:
-                why = "its kernel died while starting it"
-                break
-        else:
-            seen = True
-            if _sidebar(root, record) == "stop_cluster":
-                why = "stopped from the sidebar"
-                break
-            busy = attached(root) or any(r.running for r in kept_runs(root, ranks_alive(record)))
-            idle_since = None if busy else idle_since or time.monotonic()
-            if _asked:
-                why = "asked to stop"
-                break
-            if idle_since is not None and time.monotonic() - idle_since >= idle_timeout:
-                why = f"idle for {idle_timeout:g} s"
-                break
+        if not (root / "cluster.json").exists():
+            detached_registry.remove(root.name)
+            return 0  # a kernel stopped it (it removes the record first)
+        try:
+            why, idle_since = _look(root, kernel_pid, idle_timeout, idle_since)
+        except Exception as e:  # (a file read mid-change: looked at again next time)
+            print(f"could not look at the cluster: {e!r}", flush=True)
+            why = None
+        if why is not None:
+            break
         time.sleep(POLL_S)
     print(f"ending the cluster: {why}", flush=True)
     terminate_then_kill(process_tree(roots), roots)
+    mpi_leftovers.remove_stale()  # (what its MPI job left in /dev/shm)
     detached_registry.remove(root.name)
     remove_files(cluster_file)
     shutil.rmtree(watch_dir, ignore_errors=True)
     shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def _look(
+    root: Path, kernel_pid: int, idle_timeout: float, idle_since: float | None
+) -> tuple[str | None, float | None]:
+    """Why the cluster should end now (None: it goes on), and since when it has been idle."""
+    record = read_record(root)
+    if record is None:
+        return None, idle_since  # (being replaced this instant)
+    if not record["ranks"]:  # still starting, in its kernel
+        alive_kernel = alive(kernel_pid)
+        return (None if alive_kernel and not _asked else "its start did not finish"), None
+    if _sidebar(root, record) == "stop_cluster":
+        return "stopped from the sidebar", idle_since
+    if _asked:
+        return "asked to stop", idle_since
+    busy = attached(root) or any(r.running for r in kept_runs(root, ranks_alive(record)))
+    idle_since = None if busy else idle_since or time.monotonic()
+    if idle_since is not None and time.monotonic() - idle_since >= idle_timeout:
+        return f"idle for {idle_timeout:g} s", idle_since
+    return None, idle_since
 
 
 def _sidebar(root: Path, record: dict[str, Any]) -> str | None:

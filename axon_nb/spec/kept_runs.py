@@ -75,6 +75,7 @@ class KeptRun:
     """Ranks whose summary is written."""
     running: bool
     """Some target has no summary yet and its process still runs."""
+    started_at: float = 0.0
 
     def describe(self) -> str:
         state = "running" if self.running else "finished" if self.finished else "ended"
@@ -106,6 +107,7 @@ def read_run(root: str | os.PathLike[str], name: str, alive: dict[int, bool]) ->
         ended=ended,
         running=(begun or in_flight)
         and any(alive.get(r, False) for r in targets if r not in ended),
+        started_at=float(started.get("started_at", 0)),
     )
 
 
@@ -115,8 +117,7 @@ def kept_runs(root: str | os.PathLike[str], alive: dict[int, bool]) -> list[Kept
     if not runs_dir.is_dir():
         return []
     found = [read_run(root, d.name, alive) for d in runs_dir.iterdir() if d.is_dir()]
-    runs = [r for r in found if r is not None]
-    return sorted(runs, key=lambda r: (run_dir(root, r.name) / "run.json").stat().st_mtime)
+    return sorted((r for r in found if r is not None), key=lambda r: r.started_at)
 
 
 def last_step(path: Path) -> int:
@@ -143,7 +144,9 @@ def last_step(path: Path) -> int:
 
 def read_end(root: str | os.PathLike[str], name: str, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s summary of run ``name`` (as ``entry.train`` returned it); a rank that
-    failed kept ``{"error": (ename, evalue, traceback)}``."""
+    failed kept ``{"error": (ename, evalue, traceback)}``. (Pickle: the file is in this user's
+    owner-only directory, ``cluster/detached.py::clusters_dir`` checks it, and the ranks,
+    this user's processes, wrote it.)"""
     with open(end_path(root, name, rank), "rb") as f:
         summary: dict[str, Any] = pickle.load(f)  # (owner-only directory: this user wrote it)
     return summary

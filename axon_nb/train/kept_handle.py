@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -80,7 +81,10 @@ class KeptHandle:
     @property
     def done(self) -> bool:
         """True once every rank kept its summary (or one is gone without)."""
-        return self._ended is not None or self._finished() is not None
+        try:
+            return self._ended is not None or self._finished() is not None
+        except RankError:
+            return True
 
     @property
     def dashboard(self) -> Dashboard:
@@ -127,24 +131,46 @@ class KeptHandle:
 
     def wait(self, timeout: float | None = None) -> TrainResult:
         """Block until the run ends; its result, as the kernel that started it would have
-        had it. With ``timeout``: ``TimeoutError`` if it still runs then (it keeps running)."""
+        had it. With ``timeout``: ``TimeoutError`` if it still runs then (it keeps running).
+        A first Ctrl-C stops every rank at the same step boundary (as for the kernel's own
+        runs), a second one stops waiting."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        stopping = False
         while self._result is None:
-            finished = self._finished()
-            if finished is not None:
-                self._monitor.join(timeout=10 * MONITOR_S + 5)
-                self._result = _result_of(finished, self._name, self._started)
-                self._presenter.close(self._progress)
-                self._presenter.report(self._result)
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"training {self._name!r} is still running after {timeout:g} s; call "
-                    "wait() again, or stop() to end it at the next step"
-                )
-            self._presenter.tick(self._progress)
-            time.sleep(MONITOR_S)
+            try:
+                if self._wait_once(deadline, timeout):
+                    break
+            except KeyboardInterrupt:
+                if stopping or self.done:
+                    raise
+                stopping = True
+                print(f"(stopping {self._name!r} at the next step; Ctrl-C again to stop waiting)")
+                self._cluster.interrupt(self._targets)
+        assert self._result is not None
         return self._result
+
+    def _wait_once(self, deadline: float | None, timeout: float | None) -> bool:
+        """One look: True once the result is built."""
+        try:
+            finished = self._finished()
+        except RankError:
+            self._monitor.join(timeout=10 * MONITOR_S + 5)
+            self._presenter.close(self._progress)
+            raise
+        if finished is not None:
+            self._monitor.join(timeout=10 * MONITOR_S + 5)
+            self._presenter.close(self._progress)
+            self._result = _result_of(finished, self._name, self._started)
+            self._presenter.report(self._result)
+            return True
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"training {self._name!r} is still running after {timeout:g} s; call "
+                "wait() again, or stop() to end it at the next step"
+            )
+        self._presenter.tick(self._progress)
+        time.sleep(MONITOR_S)
+        return False
 
     def stop(self, timeout: float | None = None) -> TrainResult:
         """Stop every rank at the same step boundary and return the result so far."""
@@ -197,6 +223,8 @@ class KeptHandle:
         """Hand each rank's new publications to the listeners (with the lock held)."""
         for rank in self._targets:
             for message in self._new_lines(rank):
+                if message.get("run") != self._started["run"]:
+                    continue  # (an earlier run of the same name, being replaced)
                 self._latest[rank] = {k: v for k, v in message.items() if k != "records"}
                 for listener in self._listeners:
                     listener.message(rank, message)
@@ -207,13 +235,19 @@ class KeptHandle:
         path = stream_path(self._root, self._name, rank)
         try:
             with open(path, "rb") as f:
+                if f.seek(0, 2) < self._offsets[rank]:  # (a new run of the name replaced it)
+                    self._offsets[rank], self._pending[rank] = 0, b""
                 f.seek(self._offsets[rank])
                 data = self._pending[rank] + f.read()
                 self._offsets[rank] = f.tell()
         except OSError:
             return []
         *lines, self._pending[rank] = data.split(b"\n")  # (the last may be half written)
-        return [json.loads(line) for line in lines if line.strip()]
+        messages = []
+        for line in lines:
+            with contextlib.suppress(ValueError):  # (a line of a replaced file, cut)
+                messages.append(json.loads(line))
+        return messages
 
     def __repr__(self) -> str:
         history = self.history
@@ -225,8 +259,8 @@ def _result_of(summaries: dict[int, dict[str, Any]], name: str, started: dict[st
                ) -> TrainResult:  # fmt: skip
     failed = {r: s["error"] for r, s in summaries.items() if "error" in s}
     if failed:
-        rank, (ename, evalue) = min(failed.items())
-        raise RankError(rank, ename, evalue, "", sorted(failed))
+        rank, (ename, evalue, *traceback) = min(failed.items())
+        raise RankError(rank, ename, evalue, "".join(traceback), sorted(failed))
     ordered = [summaries[r] for r in sorted(summaries)]
     if any("aborted" in s for s in ordered):
         ordered = [s for s in ordered if "aborted" not in s]

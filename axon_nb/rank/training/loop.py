@@ -48,7 +48,9 @@ def train_on_rank(spec: TrainSpec, run_id: str, stop: StopSignal) -> dict[str, A
     try:
         summary, state = run(spec, runtime.context(), sink=sink, run_id=run_id, stop=stop)
     except BaseException as e:
-        keep_end(spec.name, {"error": (type(e).__name__, str(e))})
+        import traceback
+
+        keep_end(spec.name, {"error": (type(e).__name__, str(e), traceback.format_exc())})
         raise
     keep_end(spec.name, summary)
     shell = get_ipython()

@@ -99,9 +99,12 @@ def kept_sink(sink: Callable[[dict[str, Any]], None], name: str, run: str) -> An
     path.touch(mode=0o600)  # (the run has begun here: kernels count it as running)
 
     def publish(message: dict[str, Any]) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps(message, default=repr) + "\n")
         sink(message)
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(message, default=repr) + "\n")
+        except (OSError, TypeError, ValueError) as e:  # (a full disk never stops the run)
+            _warn(f"could not keep a publication of run {name!r}: {e}")
 
     return publish
 
@@ -109,8 +112,16 @@ def kept_sink(sink: Callable[[dict[str, Any]], None], name: str, run: str) -> An
 def keep_end(name: str, summary: dict[str, Any]) -> None:
     """Keep this rank's summary of run ``name`` (what attaching kernels build the result from)."""
     root = _state.get("root")
-    if root is not None:
+    if root is None:
+        return
+    try:
         write_atomically(end_path(root, name, _state["rank"]), pickle.dumps(summary))
+    except Exception as e:  # (never hides the run's own outcome)
+        _warn(f"could not keep the summary of run {name!r}: {e}")
+
+
+def _warn(text: str) -> None:
+    print(f"axon_nb: {text}", file=sys.__stderr__, flush=True)
 
 
 class _RotatingFile:
