@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
         RankError,
     )
     from axon_nb.estimate import advise
+    from axon_nb.job import job, jobs
+    from axon_nb.job.submission import submit
     from axon_nb.parallel.tensor import ColumnParallelLinear, RowParallelLinear
     from axon_nb.spec.pretrained_model import pretrained
     from axon_nb.strategies import (
@@ -78,9 +80,12 @@ __all__ = [
     "clusters",
     "current_cluster",
     "estimate",
+    "job",
+    "jobs",
     "load_ipython_extension",
     "pretrained",
     "stop_detached",
+    "submit",
     "train_local",
     "unload_ipython_extension",
 ]
@@ -94,6 +99,9 @@ _LAZY = {
     "StackReport": "axon_nb.cluster",
     "clusters": "axon_nb.cluster.detached",
     "stop_detached": "axon_nb.cluster.detaching",
+    "submit": "axon_nb.job.submission",
+    "job": "axon_nb.job",
+    "jobs": "axon_nb.job",
     "AxonError": "axon_nb.errors",
     "ClusterBrokenError": "axon_nb.errors",
     "ClusterStartError": "axon_nb.errors",

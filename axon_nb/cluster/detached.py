@@ -47,11 +47,17 @@ def clusters_dir() -> Path:
     and the runtime directory above it are this user's and closed to others (anyone who
     could write there could plant a record, and with it a controller to connect to or a
     pickle to load)."""
+    return private_runtime_dir("axon-clusters")
+
+
+def private_runtime_dir(name: str) -> Path:
+    """``<Jupyter runtime dir>/<name>``, made 0700 if missing, checked as
+    :func:`clusters_dir` says."""
     from jupyter_core.paths import jupyter_runtime_dir
 
     base = Path(jupyter_runtime_dir())
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = base / "axon-clusters"
+    path = base / name
     path.mkdir(exist_ok=True, mode=0o700)
     for directory in (base, path):
         info = directory.lstat()

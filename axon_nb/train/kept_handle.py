@@ -17,9 +17,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,8 +40,20 @@ if TYPE_CHECKING:
 class KeptHandle:
     """A run of a detached cluster, from its kept files (see the module doc)."""
 
-    def __init__(self, cluster: ClusterLike, root: Path, name: str, started: dict[str, Any]):
-        self._cluster = cluster
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        started: dict[str, Any],
+        *,
+        alive: Callable[[], dict[int, bool]],
+        interrupt: Callable[[list[int]], None],
+        where: str = "attached",
+    ):
+        self._alive = alive
+        """Whether each rank's process runs now (a rank gone without a summary failed)."""
+        self._interrupt = interrupt
+        """SIGINT to these ranks: each stops at the same step boundary."""
         self._root = root
         self._name = name
         self._targets: list[int] = list(started["targets"])
@@ -55,7 +69,7 @@ class KeptHandle:
         self._presenter = RunPresenter(
             name, label=f"train {name}", steps=int(started["steps"]),
             world_size=len(self._targets),
-            title=f"{name} · {started.get('strategy', '')} · {len(self._targets)} ranks (attached)",
+            title=f"{name} · {started.get('strategy', '')} · {len(self._targets)} ranks ({where})",
         )  # fmt: skip
         self.add_listener(self._presenter.dashboard)
         self._monitor = threading.Thread(target=self._watch, name="axon-kept-run", daemon=True)
@@ -63,16 +77,14 @@ class KeptHandle:
 
     @classmethod
     def open(cls, cluster: ClusterLike, root: Path, name: str) -> KeptHandle:
-        """Run ``name`` kept under ``root``; an unknown name lists the runs there are."""
-        try:
-            started = json.loads((run_dir(root, name) / "run.json").read_text())
-        except (OSError, ValueError):
-            runs_dir = root / "runs"
-            names = sorted(p.name for p in runs_dir.iterdir()) if runs_dir.is_dir() else []
-            raise AxonError(
-                f"no run named {name!r} on this cluster (runs: {', '.join(names) or 'none'})"
-            ) from None
-        return cls(cluster, root, name, started)
+        """Run ``name`` of the detached cluster whose directory is ``root``; an unknown name
+        lists the runs there are."""
+
+        def alive() -> dict[int, bool]:
+            record = read_record(root)
+            return ranks_alive(record) if record is not None else {}
+
+        return cls(root, name, read_started(root, name), alive=alive, interrupt=cluster.interrupt)
 
     @property
     def name(self) -> str:
@@ -145,7 +157,7 @@ class KeptHandle:
                     raise
                 stopping = True
                 print(f"(stopping {self._name!r} at the next step; Ctrl-C again to stop waiting)")
-                self._cluster.interrupt(self._targets)
+                self._interrupt(self._targets)
         assert self._result is not None
         return self._result
 
@@ -160,7 +172,7 @@ class KeptHandle:
         if finished is not None:
             self._monitor.join(timeout=10 * MONITOR_S + 5)
             self._presenter.close(self._progress)
-            self._result = _result_of(finished, self._name, self._started)
+            self._result = self._whole(_result_of(finished, self._name, self._started))
             self._presenter.report(self._result)
             return True
         if deadline is not None and time.monotonic() > deadline:
@@ -175,16 +187,28 @@ class KeptHandle:
     def stop(self, timeout: float | None = None) -> TrainResult:
         """Stop every rank at the same step boundary and return the result so far."""
         if not self.done:
-            self._cluster.interrupt(self._targets)
+            self._interrupt(self._targets)
         return self.wait(timeout)
+
+    def _whole(self, result: TrainResult) -> TrainResult:
+        """``result`` with the steps before its ranks' last start (a job relaunched after a
+        preemption: its summaries begin at the checkpoint), from the kept stream."""
+        self.poll()
+        with self._lock:
+            kept = merge_records(self._records)
+        first = result.history[0]["step"] if result.history else result.step + 1
+        before = [h for h in kept if h["step"] < first]
+        if not before:
+            return result
+        return dataclasses.replace(result, history=[*before, *result.history],
+                                   start_step=before[0]["step"] - 1)  # fmt: skip
 
     def _finished(self) -> dict[int, dict[str, Any]] | None:
         """Each rank's summary once all are kept; a rank gone without one raises."""
         ended = {r: end_path(self._root, self._name, r).exists() for r in self._targets}
         if all(ended.values()):
             return {r: read_end(self._root, self._name, r) for r in self._targets}
-        record = read_record(self._root)
-        alive = ranks_alive(record) if record is not None else {}
+        alive = self._alive()
         gone = [r for r, e in ended.items() if not e and not alive.get(r, False)]
         if gone:
             raise RankError(gone[0], "RankDiedError", "its process ended during the run", "", gone)
@@ -253,6 +277,20 @@ class KeptHandle:
         history = self.history
         at = history[-1]["step"] if history else 0
         return f"<KeptHandle {self._name!r} {'done' if self.done else 'running'}, step {at}>"
+
+
+def read_started(root: Path, name: str) -> dict[str, Any]:
+    """What the kernel that sent run ``name`` noted of it (``run.json``); an unknown name is
+    refused with the runs there are."""
+    try:
+        started: dict[str, Any] = json.loads((run_dir(root, name) / "run.json").read_text())
+    except (OSError, ValueError):
+        runs_dir = root / "runs"
+        names = sorted(p.name for p in runs_dir.iterdir()) if runs_dir.is_dir() else []
+        raise AxonError(
+            f"no run named {name!r} here (runs: {', '.join(names) or 'none'})"
+        ) from None
+    return started
 
 
 def _result_of(summaries: dict[int, dict[str, Any]], name: str, started: dict[str, Any]

@@ -83,16 +83,19 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def kept_sink(sink: Callable[[dict[str, Any]], None], name: str, run: str) -> Any:
-    """``sink`` (``publish_data``), and on a detached cluster each publication also appended
-    to the run's stream file."""
+def kept_sink(
+    sink: Callable[[dict[str, Any]], None], name: str, run: str, *, fresh: bool = True
+) -> Any:
+    """``sink`` (``publish_data``), and on a detached cluster (or in a job) each publication
+    also appended to the run's stream file; ``fresh=False`` (a job resumed after preemption)
+    appends to what the run kept before."""
     root = _state.get("root")
     if root is None:
         return sink
     (Path(root) / "runs").mkdir(mode=0o700, exist_ok=True)
     run_dir(root, name).mkdir(mode=0o700, exist_ok=True)
     path = stream_path(root, name, _state["rank"])
-    if path.exists():  # (a run of the same name before: its stream is replaced)
+    if fresh and path.exists():  # (a run of the same name before: its stream is replaced)
         path.unlink()
     with contextlib.suppress(FileNotFoundError):
         end_path(root, name, _state["rank"]).unlink()
