@@ -58,10 +58,10 @@ def run(args: argparse.Namespace, root: Path, notice: bool) -> dict[str, float]:
         sent = time.time()
         supervisor = json.loads((job.dir / "state.json").read_text())["supervisor_pid"]
         os.kill(int(supervisor), signal.SIGUSR2)
-        marker = job.dir / "preempted.json"
-        while not marker.exists():
+        state = job.dir / "state.json"
+        while not json.loads(state.read_text()).get("preemptions"):
             time.sleep(0.01)
-        saved = json.loads(marker.read_text())
+        saved = json.loads(state.read_text())["preemptions"][0]
         figures.update(notice_to_checkpoint_s=saved["saved_at"] - sent,
                        published_at_notice=published, checkpoint_step=saved["step"])  # fmt: skip
         while not [h for h in job.history if h["step"] > saved["step"]]:

@@ -93,7 +93,7 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path) -> None
         axon_nb.submit(**{**ARGS, "loss": locked_loss}, ranks=2, job_dir=target)
     assert not target.exists()
     with pytest.raises(ValueError, match="invalid training arguments"):
-        axon_nb.submit(**{**ARGS, "steps": 0}, ranks=2, job_dir=target)
+        axon_nb.submit(**{**ARGS, "batch_size": -1}, ranks=2, job_dir=target)
     first = axon_nb.submit(**ARGS, ranks=2, job_dir=target)
     with pytest.raises(AxonError, match="holds another job"):
         axon_nb.submit(**ARGS, ranks=2, job_dir=target)
@@ -119,9 +119,9 @@ def test_a_preempted_job_checkpoints_requeues_and_ends_as_if_never_stopped(tmp_p
     job = axon_nb.submit(**args, ranks=2, requeue=True, job_dir=tmp_path / "spot")
     sent = _notice_when_running(job, 8)
     result = job.wait(timeout=240)
-    preempted = json.loads((job.dir / "preempted.json").read_text())
-    assert preempted["saved_at"] - sent < 30  # within Slurm's default KillWait
     state = json.loads((job.dir / "state.json").read_text())
+    [preempted] = state["preemptions"]
+    assert preempted["saved_at"] - sent < 30  # within Slurm's default KillWait
     assert (state["state"], state["attempts"]) == ("finished", 2)
     assert 8 <= preempted["step"] < 40
     assert [h["step"] for h in result.history] == list(range(1, 41))  # one whole history

@@ -90,7 +90,7 @@ class Job:
         """Block until the job ends; the ``TrainResult`` its training returned (with a
         requeued job, the whole run's)."""
         try:
-            return self.handle().wait(timeout)
+            result = self.handle().wait(timeout)
         except RankError:
             state = read_state(self.dir)
             if state.get("state") == "preempted":
@@ -99,6 +99,10 @@ class Job:
                     f"requeue): `sh {self.dir / 'run.sh'}` resumes it from its checkpoint"
                 ) from None
             raise
+        deadline = time.monotonic() + CANCEL_S  # (the ranks and torchrun exit after it)
+        while self.state not in FINAL_STATES and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return result
 
     def cancel(self) -> None:
         """End the job (its ranks stop where they are); its state becomes ``cancelled``."""

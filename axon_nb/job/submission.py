@@ -100,9 +100,10 @@ def submit(
         command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd(),
     )  # fmt: skip
-    job["id"] = f"local-{supervisor.pid}"  # (the supervisor has read what it needs)
+    job_id = f"local-{supervisor.pid}"
+    job["id"] = job_id  # (the supervisor has read what it needs)
     write_atomically(directory / "job.json", json.dumps(job, indent=1).encode())
-    _index(job["id"], directory)
+    _index(job_id, directory)
     return Job(directory, supervisor_pid=supervisor.pid)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from axon_nb.spec.job_files import read_job, write_state
+from axon_nb.spec.job_files import read_job, read_json, write_state
 
 _cancelled = False
 _ranks: subprocess.Popen[bytes] | None = None
@@ -45,9 +45,13 @@ def main(argv: list[str]) -> int:
     signal.signal(notice, lambda signum, frame: _forward(job_dir, signum))
     signal.signal(signal.SIGTERM, lambda signum, frame: _cancel(job_dir))
     attempt = 0
+    preemptions: list[dict[str, object]] = []
     while True:
         attempt += 1
         code, preempted = _launch(job_dir, job, attempt)
+        if preempted is not None:
+            preemptions.append(preempted)
+            write_state(job_dir, "running", preemptions=preemptions)
         if _cancelled:
             state = "cancelled"
         elif preempted and job.get("requeue"):
@@ -59,8 +63,11 @@ def main(argv: list[str]) -> int:
         return 0 if code == 0 else 1
 
 
-def _launch(job_dir: str, job: dict[str, object], attempt: int) -> tuple[int, bool]:
-    """Run the ranks once; their exit code, and whether they checkpointed on a notice."""
+def _launch(
+    job_dir: str, job: dict[str, object], attempt: int
+) -> tuple[int, dict[str, object] | None]:
+    """Run the ranks once; their exit code, and what they said when they checkpointed on a
+    notice (the step, when the notice came and when the checkpoint was complete)."""
     global _ranks
     marker = Path(job_dir) / "preempted.json"
     marker.unlink(missing_ok=True)
@@ -73,7 +80,9 @@ def _launch(job_dir: str, job: dict[str, object], attempt: int) -> tuple[int, bo
     write_state(job_dir, "running", supervisor_pid=os.getpid(), torchrun_pid=_ranks.pid,
                 attempt=attempt)  # fmt: skip
     code = _ranks.wait()
-    return code, marker.exists()
+    said = read_json(marker) if marker.exists() else None
+    marker.unlink(missing_ok=True)
+    return code, said
 
 
 def rank_pids(torchrun_pid: int) -> list[int]:
