@@ -212,7 +212,7 @@ def test_bad_input_says_what_is_wrong_and_loses_nothing() -> None:
         assert name in text
         for bad, message in [
             (f"axon_nb.Cluster(n=2, detach=True, name={name!r}).start()",
-             f"a detached cluster named {name!r} is running: attach to it with"),
+             f"a detached cluster named {name!r} is running or starting: attach to it with"),
             ("axon_nb.Cluster(n=2, detach=True, name='no spaces')", "cluster name 'no spaces'"),
             ("axon_nb.Cluster(n=2, name='lab')", "name= names a detached cluster: add detach"),
             ("axon_nb.Cluster(n=2, detach=True, idle_timeout=0)", "idle_timeout must be a pos"),
