@@ -8,8 +8,9 @@ from queue import Empty
 from typing import Any
 
 
-def run_cell(kc: Any, code: str, timeout: float = 120) -> tuple[str, str]:
-    """Execute ``code``; return (status, all stream text).
+def run_cell(kc: Any, code: str, timeout: float = 120, *, errors: bool = False) -> tuple[str, str]:
+    """Execute ``code``; return (status, all stream text, with ``errors`` each error's name
+    and value too).
 
     Example::
 
@@ -24,6 +25,8 @@ def run_cell(kc: Any, code: str, timeout: float = 120) -> tuple[str, str]:
             continue
         if msg["msg_type"] == "stream":
             text.append(msg["content"]["text"])
+        if msg["msg_type"] == "error" and errors:
+            text.append(f"{msg['content']['ename']}: {msg['content']['evalue']}\n")
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
     return shell_reply(kc, msg_id, timeout)["content"]["status"], "".join(text)

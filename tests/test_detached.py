@@ -16,11 +16,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import kernel_client
 import psutil
 import pytest
 from helpers import wait_gone
 from jupyter_client.manager import start_new_kernel
-from kernel_client import shell_reply
 from other_users import STRANGER, SYSTEM_PYTHON, as_user, user_env
 from other_users import missing as users_missing
 
@@ -34,20 +34,8 @@ def _name() -> str:
 
 
 def run_cell(kc, code: str, timeout: float = 120) -> tuple[str, str]:
-    """Execute ``code``: its status and its streams' text with any error's name and value."""
-    msg_id = kc.execute(code)
-    text = []
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            text.append(msg["content"]["text"])
-        elif msg["msg_type"] == "error":
-            text.append(f"{msg['content']['ename']}: {msg['content']['evalue']}\n")
-        elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-            break
-    return shell_reply(kc, msg_id, timeout)["content"]["status"], "".join(text)
+    """The cell's status and its output, errors included."""
+    return kernel_client.run_cell(kc, code, timeout, errors=True)
 
 
 def _ok(kc, code: str, timeout: float = 120) -> str:

@@ -30,7 +30,7 @@ from axon_nb.errors import AxonError, RankError
 from axon_nb.spec.kept_runs import end_path, read_end, run_dir, stream_path
 from axon_nb.train.presenter import RunPresenter
 from axon_nb.train.result import TrainResult, build_result, merge_records
-from axon_nb.train.run_stream import MONITOR_S, MetricsListener
+from axon_nb.train.run_stream import MONITOR_S, MetricsListener, progress_of
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -216,11 +216,7 @@ class KeptHandle:
 
     def _progress(self) -> tuple[int, float | None] | None:
         with self._lock:
-            if len(self._latest) < len(self._targets):
-                return None
-            done = min(m["step"] - m["start_step"] for m in self._latest.values())
-            records = self._records[self._targets[0]]
-            return done, records[max(records)]["loss"] if records else None
+            return progress_of(self._latest, self._records, self._targets)
 
     def _watch(self) -> None:
         while True:

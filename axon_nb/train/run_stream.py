@@ -33,6 +33,20 @@ FINAL_STATUSES = ("finished", "stopped", "failed")
 """A rank's status in its last publication of a run (``axon_nb.metrics/1``)."""
 
 
+def progress_of(
+    latest: dict[int, dict[str, Any]],
+    records: dict[int, dict[int, dict[str, Any]]],
+    targets: list[int],
+) -> tuple[int, float | None] | None:
+    """Steps every rank has done in the run (from each one's ``latest`` publication) and
+    the first target's last loss; None until every rank has published."""
+    if len(latest) < len(targets):
+        return None
+    done = min(m["step"] - m["start_step"] for m in latest.values())
+    first = records[targets[0]]
+    return done, first[max(first)]["loss"] if first else None
+
+
 class MetricsListener(Protocol):
     """Receives the metrics stream of one run (called from the monitor thread)."""
 
@@ -118,11 +132,7 @@ class RunStream:
         stream.progress()  # (40, 0.52)
         """
         with self._lock:
-            if len(self._latest) < len(self._targets):
-                return None
-            done = min(m["step"] - m["start_step"] for m in self._latest.values())
-            records = self._records[self._targets[0]]
-            return done, records[max(records)]["loss"] if records else None
+            return progress_of(self._latest, self._records, self._targets)
 
     def add_listener(self, listener: MetricsListener) -> None:
         """Send every new publication, and the run's end, to ``listener`` (a dashboard)."""

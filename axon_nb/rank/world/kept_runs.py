@@ -30,6 +30,7 @@ from axon_nb.spec.kept_runs import (
     stream_path,
     write_atomically,
 )
+from axon_nb.spec.processes import pid_alive
 
 KEEPER_POLL_S = 1.0
 """How often a rank checks that its cluster's keeper still runs."""
@@ -59,7 +60,7 @@ def end_with(keeper_pid: int) -> None:
     _state["keeper"] = keeper_pid
 
     def watch() -> None:
-        while _alive(keeper_pid):
+        while pid_alive(keeper_pid):
             time.sleep(KEEPER_POLL_S)
         print(
             f"axon_nb: the cluster's keeper (pid {keeper_pid}) is gone; ending", file=sys.__stderr__
@@ -67,20 +68,6 @@ def end_with(keeper_pid: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="axon-keeper-watch", daemon=True).start()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # (a zombie: ended, not yet reaped)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def kept_sink(

@@ -37,6 +37,7 @@ from typing import Any
 
 from axon_nb.rank.world.packed_call import run_packed
 from axon_nb.rank.world.relay_outcomes import Collector, publish
+from axon_nb.spec.processes import pid_alive
 
 _state: dict[str, Any] = {}
 """This engine's relay: ``rank``, ``directory``, the work ``stream``, the ``collector`` of
@@ -242,7 +243,7 @@ def _hand_back(kernel: Any, header: dict[str, Any], content: dict[str, Any],
                 stream.flush()
     outcome = {"call": header["call"], "parent": header["parent"], "content": content}
     leader = f"ipc://{header['leader']}/outcomes"
-    alive = _alive(header["leader_pid"])
+    alive = pid_alive(header["leader_pid"])
     pushes = "outcome_pushes" if published else "pushes"  # (the thread's own sockets)
     try:
         if alive and not published:
@@ -267,16 +268,6 @@ def _push(kind: str, address: str) -> Any:
         pushes[address] = zmq.Context.instance().socket(zmq.PUSH)
         pushes[address].connect(address)
     return pushes[address]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _kernel() -> Any:
