@@ -141,16 +141,17 @@ def sleeping_stages(n: int = 4, forward_s: float = 0.02, backward_s: float = 0.0
     )
 
 
-def slow_mse(seconds: float, say_at: int | None = None, text: str = ""):
-    """``mse`` that takes ``seconds`` more per call (a long run on a fast model), and prints
-    ``text`` on its ``say_at``-th call (what a rank says mid-run)."""
+def slow_mse(seconds: float, say_at: int | None = None, text: str = "", after: int = 0):
+    """``mse`` that takes ``seconds`` more per call after its ``after``-th (a long run on a
+    fast model), and prints ``text`` on its ``say_at``-th call (what a rank says mid-run)."""
     calls = {"n": 0}
 
     def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         calls["n"] += 1
         if calls["n"] == say_at:
             print(text, flush=True)
-        time.sleep(seconds)
+        if calls["n"] > after:
+            time.sleep(seconds)
         return mse(output, target)
 
     return loss
