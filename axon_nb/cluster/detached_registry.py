@@ -9,7 +9,7 @@ keeper carries out the sidebar's ``stop_cluster`` (it ends the cluster) and ``st
 
 Example (the keeper, once a second)::
 
-    publish(root, record)
+    publish(record, runs, kernels)
     action = take_control(record)   # "stop_cluster", "stop_run", "interrupt" or None
 """
 
@@ -19,12 +19,10 @@ import contextlib
 import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
-from axon_nb.cluster.detached import attached, ranks_alive
 from axon_nb.cluster.lab_registry import registry_dir
-from axon_nb.spec.kept_runs import KeptRun, kept_runs
+from axon_nb.spec.kept_runs import KeptRun
 from axon_nb.spec.lab_protocol import ACTIONS
 
 
@@ -34,12 +32,12 @@ def key_of(name: str) -> str:
     return "detached-" + name.replace("_", "__").replace(".", "_d")
 
 
-def publish(root: Path, record: dict[str, Any]) -> None:
-    """Rewrite the cluster's entry (atomically, owner-only)."""
+def publish(record: dict[str, Any], runs: list[KeptRun], kernels: list[int]) -> None:
+    """Rewrite the cluster's entry (atomically, owner-only): ``runs`` as the ranks kept
+    them, ``kernels`` attached (what the keeper read for this look)."""
     directory = registry_dir()
     key = key_of(record["name"])
     ranks = record["ranks"]
-    runs = kept_runs(root, ranks_alive(record))
     state = {
         "key": key,
         "kernel_id": "",
@@ -57,7 +55,7 @@ def publish(root: Path, record: dict[str, Any]) -> None:
         "detached": {
             "name": record["name"],
             "attach": f"%axon_attach {record['name']}",
-            "attached": attached(root),
+            "attached": kernels,
         },
     }
     partial = directory / f"cluster-{key}.partial"

@@ -170,17 +170,11 @@ class Detached:
         end the keeper, remove its directory."""
         with contextlib.suppress(OSError):
             (self.root / "cluster.json").unlink()
-        if self.keeper_pid is not None and records.same_process(
-            self.keeper_pid, self.keeper_started
-        ):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(self.keeper_pid, signal.SIGTERM)
-            deadline = time.monotonic() + KEEPER_END_S
-            while alive(self.keeper_pid) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            if not alive(self.keeper_pid):
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(self.keeper_pid, os.WNOHANG)
+        pid = self.keeper_pid
+        ours = pid is not None and records.same_process(pid, self.keeper_started)
+        if ours and pid is not None and end_keeper(pid, KEEPER_END_S):
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # (the starting kernel's child: reaped)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -220,10 +214,16 @@ def stop_detached(name: str) -> None:
     if record is None or not records.keeper_alive(record):
         return  # (it ended just now)
     pid = int(record["keeper_pid"])
+    if not end_keeper(pid, 15):
+        raise AxonError(f"the keeper of {name!r} (pid {pid}) did not end within 15 s")
+
+
+def end_keeper(pid: int, seconds: float) -> bool:
+    """SIGTERM keeper ``pid`` (it ends its cluster unless a kernel did) and wait up to
+    ``seconds`` for it to exit; whether it did."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + seconds
     while alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if alive(pid):
-        raise AxonError(f"the keeper of {name!r} (pid {pid}) did not end within 15 s")
+        time.sleep(0.05)
+    return not alive(pid)

@@ -34,7 +34,7 @@ from axon_nb.cluster import detached_registry, mpi_leftovers
 from axon_nb.cluster.detached import attached, ranks_alive, read_record
 from axon_nb.cluster.reaper import remove_files
 from axon_nb.cluster.stopping import alive, process_tree, terminate_then_kill
-from axon_nb.spec.kept_runs import kept_runs
+from axon_nb.spec.kept_runs import KeptRun, kept_runs
 
 POLL_S = 1.0
 """How often the keeper looks at its cluster."""
@@ -80,21 +80,22 @@ def _look(
     if not record["ranks"]:  # still starting, in its kernel
         alive_kernel = alive(kernel_pid)
         return (None if alive_kernel and not _asked else "its start did not finish"), None
-    if _sidebar(root, record) == "stop_cluster":
+    runs, kernels = kept_runs(root, ranks_alive(record)), attached(root)  # (read once a look)
+    if _sidebar(record, runs, kernels) == "stop_cluster":
         return "stopped from the sidebar", idle_since
     if _asked:
         return "asked to stop", idle_since
-    busy = attached(root) or any(r.running for r in kept_runs(root, ranks_alive(record)))
+    busy = kernels or any(r.running for r in runs)
     idle_since = None if busy else idle_since or time.monotonic()
     if idle_since is not None and time.monotonic() - idle_since >= idle_timeout:
         return f"idle for {idle_timeout:g} s", idle_since
     return None, idle_since
 
 
-def _sidebar(root: Path, record: dict[str, Any]) -> str | None:
+def _sidebar(record: dict[str, Any], runs: list[KeptRun], kernels: list[int]) -> str | None:
     """Publish the cluster in JupyterLab's sidebar and carry out its control, if any."""
     try:
-        detached_registry.publish(root, record)
+        detached_registry.publish(record, runs, kernels)
         action = detached_registry.take_control(record)
     except Exception as e:  # (the sidebar is a view: the cluster is kept either way)
         print(f"the sidebar entry could not be written: {e}", flush=True)

@@ -29,8 +29,9 @@ from axon_nb.cluster.detached import ranks_alive, read_record
 from axon_nb.errors import AxonError, RankError
 from axon_nb.spec.kept_runs import end_path, read_end, run_dir, stream_path
 from axon_nb.train.presenter import RunPresenter
-from axon_nb.train.result import TrainResult, build_result, merge_records
-from axon_nb.train.run_stream import MONITOR_S, MetricsListener, progress_of
+from axon_nb.train.publications import Publications
+from axon_nb.train.result import TrainResult, build_result
+from axon_nb.train.run_stream import MONITOR_S, MetricsListener
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -61,10 +62,7 @@ class KeptHandle:
         self._result: TrainResult | None = None
         self._offsets = dict.fromkeys(self._targets, 0)
         self._pending = dict.fromkeys(self._targets, b"")
-        self._records: dict[int, dict[int, dict[str, Any]]] = {r: {} for r in self._targets}
-        self._latest: dict[int, dict[str, Any]] = {}
-        self._listeners: list[MetricsListener] = []
-        self._ended: dict[int, str] | None = None
+        self._book = Publications(self._targets)
         self._lock = threading.Lock()
         self._presenter = RunPresenter(
             name, label=f"train {name}", steps=int(started["steps"]),
@@ -94,7 +92,7 @@ class KeptHandle:
     def done(self) -> bool:
         """True once every rank kept its summary (or one is gone without)."""
         try:
-            return self._ended is not None or self._finished() is not None
+            return self._book.ended is not None or self._finished() is not None
         except RankError:
             return True
 
@@ -111,13 +109,13 @@ class KeptHandle:
         """Every step since the run began, in :class:`TrainResult`'s ``history`` format."""
         self.poll()
         with self._lock:
-            return merge_records(self._records)
+            return self._book.history()
 
     @property
     def latest(self) -> dict[int, dict[str, Any]]:
         self.poll()
         with self._lock:
-            return dict(self._latest)
+            return dict(self._book.latest)
 
     def poll(self) -> None:
         """Read what the ranks kept since the last poll."""
@@ -126,11 +124,7 @@ class KeptHandle:
 
     def add_listener(self, listener: MetricsListener) -> None:
         with self._lock:
-            self._listeners.append(listener)
-            for rank, message in self._latest.items():
-                listener.message(rank, {**message, "records": list(self._records[rank].values())})
-            if self._ended is not None:
-                listener.done(self._ended)
+            self._book.add_listener(listener)
 
     def show(self) -> None:
         """Display the dashboard (the whole run so far, then live)."""
@@ -195,7 +189,7 @@ class KeptHandle:
         preemption: its summaries begin at the checkpoint), from the kept stream."""
         self.poll()
         with self._lock:
-            kept = merge_records(self._records)
+            kept = self._book.history()
         first = result.history[0]["step"] if result.history else result.step + 1
         before = [h for h in kept if h["step"] < first]
         if not before:
@@ -216,14 +210,13 @@ class KeptHandle:
 
     def _progress(self) -> tuple[int, float | None] | None:
         with self._lock:
-            return progress_of(self._latest, self._records, self._targets)
+            return self._book.progress()
 
     def _watch(self) -> None:
         while True:
             with self._lock:
                 self._read()
-                for listener in self._listeners:
-                    listener.tick()
+                self._book.tick()
             try:
                 finished = self._finished() is not None
             except RankError as e:
@@ -235,9 +228,7 @@ class KeptHandle:
                 break
             time.sleep(MONITOR_S)
         with self._lock:
-            self._ended = failures
-            for listener in self._listeners:
-                listener.done(failures)
+            self._book.end(failures)
 
     def _read(self) -> None:
         """Hand each rank's new publications to the listeners (with the lock held)."""
@@ -245,11 +236,7 @@ class KeptHandle:
             for message in self._new_lines(rank):
                 if message.get("run") != self._started["run"]:
                     continue  # (an earlier run of the same name, being replaced)
-                self._latest[rank] = {k: v for k, v in message.items() if k != "records"}
-                for listener in self._listeners:
-                    listener.message(rank, message)
-                for record in message.get("records", ()):
-                    self._records[rank][record["step"]] = record
+                self._book.take(rank, message)
 
     def _new_lines(self, rank: int) -> list[dict[str, Any]]:
         path = stream_path(self._root, self._name, rank)

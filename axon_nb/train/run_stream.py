@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 
 from axon_nb.cluster.waiting import describe_error
 from axon_nb.errors import AxonError
-from axon_nb.train.result import merge_records
+from axon_nb.train.publications import MetricsListener, Publications
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -31,33 +31,6 @@ LAST_PUBLICATION_S = 10.0
 the publication goes out on the engine's IOPub thread, the result on its shell socket."""
 FINAL_STATUSES = ("finished", "stopped", "failed")
 """A rank's status in its last publication of a run (``axon_nb.metrics/1``)."""
-
-
-def progress_of(
-    latest: dict[int, dict[str, Any]],
-    records: dict[int, dict[int, dict[str, Any]]],
-    targets: list[int],
-) -> tuple[int, float | None] | None:
-    """Steps every rank has done in the run (from each one's ``latest`` publication) and
-    the first target's last loss; None until every rank has published."""
-    if len(latest) < len(targets):
-        return None
-    done = min(m["step"] - m["start_step"] for m in latest.values())
-    first = records[targets[0]]
-    return done, first[max(first)]["loss"] if first else None
-
-
-class MetricsListener(Protocol):
-    """Receives the metrics stream of one run (called from the monitor thread)."""
-
-    def message(self, rank: int, message: dict[str, Any]) -> None:
-        """One publication of ``rank`` (schema ``axon_nb.metrics/1``)."""
-
-    def tick(self) -> None:
-        """Called on every monitor poll (about ``MONITOR_S``), messages or not."""
-
-    def done(self, failures: dict[int, str]) -> None:
-        """The run ended; ``failures`` maps failed ranks to their error."""
 
 
 class RunStream:
@@ -83,11 +56,7 @@ class RunStream:
         self._targets = targets
         self._run = run
         self._parts: dict[int, ipp.AsyncResult] = dict(zip(targets, ar.split(), strict=True))
-        self._records: dict[int, dict[int, dict[str, Any]]] = {r: {} for r in targets}
-        self._latest: dict[int, dict[str, Any]] = {}
-        self._listeners: list[MetricsListener] = []
-        self._ended: dict[int, str] | None = None
-        """The failures the listeners were told of at the run's end (None while it runs)."""
+        self._book = Publications(targets)
         self._lock = threading.Lock()
         self._failed = threading.Event()
         """Set by :meth:`abandon`: the monitor stops, even with ranks still running."""
@@ -117,13 +86,13 @@ class RunStream:
         """Steps streamed so far, in :class:`TrainResult`'s ``history`` format."""
         self.poll()
         with self._lock:
-            return merge_records(self._records)
+            return self._book.history()
 
     def latest(self) -> dict[int, dict[str, Any]]:
         """Each rank's latest publication without its records (status, step, memory, ...)."""
         self.poll()
         with self._lock:
-            return dict(self._latest)
+            return dict(self._book.latest)
 
     def progress(self) -> tuple[int, float | None] | None:
         """Steps every rank has done in this run and the first target's last loss (None
@@ -132,16 +101,12 @@ class RunStream:
         stream.progress()  # (40, 0.52)
         """
         with self._lock:
-            return progress_of(self._latest, self._records, self._targets)
+            return self._book.progress()
 
     def add_listener(self, listener: MetricsListener) -> None:
         """Send every new publication, and the run's end, to ``listener`` (a dashboard)."""
         with self._lock:
-            self._listeners.append(listener)
-            for rank, message in self._latest.items():  # catch up on what came before
-                listener.message(rank, {**message, "records": list(self._records[rank].values())})
-            if self._ended is not None:
-                listener.done(self._ended)
+            self._book.add_listener(listener)
 
     def summaries(self) -> list[dict[str, Any]]:
         """What each rank that finished returned (rank order, once the run is done)."""
@@ -161,16 +126,13 @@ class RunStream:
         while not self._ar.ready() and not self._failed.is_set() and not self._cluster_gone():
             with self._lock:
                 self._read()
-                for listener in self._listeners:
-                    listener.tick()
+                self._book.tick()
             time.sleep(MONITOR_S)
         self._wait_for_last_publications()
         self.poll()
         failures = self._failures()
         with self._lock:
-            self._ended = failures
-            for listener in self._listeners:
-                listener.done(failures)
+            self._book.end(failures)
 
     def _failures(self) -> dict[int, str]:
         failures = {
@@ -199,7 +161,7 @@ class RunStream:
             with self._lock:
                 self._read()
                 final = all(
-                    self._latest.get(r, {}).get("status") in FINAL_STATUSES for r in finished
+                    self._book.latest.get(r, {}).get("status") in FINAL_STATUSES for r in finished
                 )
             if final or all(p.wait_for_output(0) for p in finished.values()):
                 return
@@ -215,11 +177,7 @@ class RunStream:
                 data = data[0] if data else {}
             if not data or data.get("run") != self._run:
                 continue
-            previous = self._latest.get(rank)
+            previous = self._book.latest.get(rank)
             if previous is not None and previous["heartbeat"] == data["heartbeat"]:
                 continue  # nothing new from this rank
-            self._latest[rank] = {k: v for k, v in data.items() if k != "records"}
-            for listener in self._listeners:
-                listener.message(rank, data)
-            for record in data.get("records", ()):
-                self._records[rank][record["step"]] = record
+            self._book.take(rank, data)
