@@ -100,6 +100,10 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path: Path) -> None
     first.wait(timeout=240)  # (the first is untouched)
     with pytest.raises(AxonError, match="is not a job's directory"):
         axon_nb.job(tmp_path)
+    target.chmod(0o777)  # (others could have written its results: never unpickled)
+    with pytest.raises(AxonError, match="is not yours alone"):
+        axon_nb.job(target)
+    target.chmod(0o700)
 
 
 def _notice_when_running(job: axon_nb.job.Job, steps: int) -> float:

@@ -37,6 +37,7 @@ class Job:
 
     def __init__(self, job_dir: str | os.PathLike[str], *, supervisor_pid: int | None = None):
         self.dir = Path(job_dir).resolve()
+        _check_owned(self.dir)
         self._job = read_job(self.dir)
         if not self._job:
             raise AxonError(
@@ -146,3 +147,17 @@ class Job:
     def __repr__(self) -> str:
         step = last_step(stream_path(self.dir, self.name, 0))
         return f"<Job {self.id} {self.state}, step {step} of {self._job['steps']}, {self.dir}>"
+
+
+def _check_owned(directory: Path) -> None:
+    """Refuse a job directory that is not this user's alone: its summaries are unpickled."""
+    try:
+        info = directory.stat()
+    except OSError:
+        return  # (no such directory: the caller says it is not a job's)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise AxonError(
+            f"{directory} is not yours alone (owner uid {info.st_uid}, mode "
+            f"{oct(info.st_mode & 0o777)}): a job's directory is read and its results "
+            "unpickled only when only you can write it (axon_nb.submit makes it 0700)"
+        )
