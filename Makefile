@@ -22,7 +22,7 @@ install: $(VENV)/.installed
 # against pip's 211 s here, leaving out what tools/leave_out.txt names.
 $(VENV)/.installed: pyproject.toml extension/package.json tools/install.py tools/leave_out.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python tools/install.py $(VENV) "$(TORCH)" dev,hf,track,trainers,docs
+	$(BIN)/python tools/install.py $(VENV) "$(TORCH)" dev,hf,track,trainers,jobs,docs
 	touch $@
 
 # Rebuild the lab extension after changing extension/ (then reload JupyterLab).

@@ -7,11 +7,15 @@ cluster with a shared home directory. Needs root, ``ip``, ``unshare`` and ``sshd
 
     with NetnsHosts(2) as hosts:          # hosts.addresses == ["10.77.0.2", "10.77.0.3"]
         os.environ["HYDRA_LAUNCHER_EXEC"] = hosts.ssh
+
+Test files that run at once (pytest-xdist) each get a slot of their own, held with a lock:
+slot 0 is ``axnb1``... on ``10.77.0.0/24``, slot 1 ``axn1h1``... on ``10.77.1.0/24``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -23,8 +27,6 @@ from pathlib import Path
 from started import Started
 
 PREFIX = "axnb"
-SUBNET = "10.77.0"
-BRIDGE = f"{PREFIX}br0"
 IFACE = "axeth0"
 """The ranks' interface name inside every namespace (``--iface axeth0``)."""
 
@@ -45,14 +47,37 @@ def _run(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, timeout=30)
 
 
+SLOTS = 8
+
+
+def _take_slot() -> tuple[int, int]:
+    """A slot no other process holds (its lock file stays open, locked, while held)."""
+    for slot in range(SLOTS):
+        fd = os.open(f"/run/axnb-netns-{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return slot, fd
+    raise RuntimeError(f"all {SLOTS} slots of namespaced hosts are taken")
+
+
 class NetnsHosts(Started):
     """``n`` namespaced hosts named ``axnb1``..., at ``10.77.0.2``...; this machine is
-    ``10.77.0.1`` on the bridge."""
+    ``gateway`` (``10.77.0.1``) on the bridge (in slot 0; see the module's note)."""
 
     def __init__(self, n: int) -> None:
         self.n = n
-        self.names = [f"{PREFIX}{i + 1}" for i in range(n)]
-        self.addresses = [f"{SUBNET}.{i + 2}" for i in range(n)]
+        self.slot, self._lock = _take_slot()
+        prefix = PREFIX if self.slot == 0 else f"axn{self.slot}h"
+        subnet = f"10.77.{self.slot}"
+        self.names = [f"{prefix}{i + 1}" for i in range(n)]
+        self.addresses = [f"{subnet}.{i + 2}" for i in range(n)]
+        self.gateway = f"{subnet}.1"
+        """This machine's address on the hosts' network."""
+        self._subnet, self._veth = subnet, f"axv{self.slot}"
+        self._bridge = f"{PREFIX}br{self.slot}"
         self.dir = Path(tempfile.mkdtemp(prefix="axnb-hosts-"))
         self.ssh = str(self.dir / "ssh")
         """An ssh that logs in to these hosts with this test's key (``HYDRA_LAUNCHER_EXEC``)."""
@@ -77,20 +102,20 @@ class NetnsHosts(Started):
         )
         os.chmod(self.ssh, 0o755)
         os.makedirs("/run/sshd", exist_ok=True)
-        _run("ip", "link", "add", BRIDGE, "type", "bridge")
-        _run("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-        _run("ip", "link", "set", BRIDGE, "up")
+        _run("ip", "link", "add", self._bridge, "type", "bridge")
+        _run("ip", "addr", "add", f"{self.gateway}/24", "dev", self._bridge)
+        _run("ip", "link", "set", self._bridge, "up")
         for i, (name, address) in enumerate(zip(self.names, self.addresses, strict=True)):
-            veth = f"{PREFIX}v{i + 1}"
+            veth = f"{self._veth}v{i + 1}"
             _run("ip", "netns", "add", name)
             _run("ip", "link", "add", veth, "type", "veth", "peer", "name", IFACE, "netns", name)
-            _run("ip", "link", "set", veth, "master", BRIDGE, "up")
+            _run("ip", "link", "set", veth, "master", self._bridge, "up")
             self._name_service(name)
             inside = ("ip", "netns", "exec", name)
             _run(*inside, "ip", "addr", "add", f"{address}/24", "dev", IFACE)
             _run(*inside, "ip", "link", "set", IFACE, "up")
             _run(*inside, "ip", "link", "set", "lo", "up")
-            _run(*inside, "ip", "route", "add", "default", "via", f"{SUBNET}.1")
+            _run(*inside, "ip", "route", "add", "default", "via", self.gateway)
             config = self.dir / f"sshd-{name}.conf"
             config.write_text(
                 f"ListenAddress {address}\nHostKey {self.dir / 'hostkey'}\n"
@@ -122,7 +147,7 @@ class NetnsHosts(Started):
         each peer waited out the resolver's timeout (10 s of every start)."""
         config = Path("/etc/netns") / name
         config.mkdir(parents=True, exist_ok=True)
-        hosts = [f"127.0.0.1 localhost {name}", f"{SUBNET}.1 {socket.gethostname()}"]
+        hosts = [f"127.0.0.1 localhost {name}", f"{self.gateway} {socket.gethostname()}"]
         hosts += [f"{a} {n}" for n, a in zip(self.names, self.addresses, strict=True)]
         (config / "hosts").write_text("\n".join(hosts) + "\n")
         # nothing listens there: a name not in the file fails at once
@@ -149,6 +174,7 @@ class NetnsHosts(Started):
         for proc in self._sshd:
             proc.wait(timeout=10)
         self._sshd = []
-        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True, timeout=10)
+        subprocess.run(["ip", "link", "del", self._bridge], capture_output=True, timeout=10)
         if not quiet:
             shutil.rmtree(self.dir, ignore_errors=True)
+            os.close(self._lock)  # (the slot is free again)

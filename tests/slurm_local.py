@@ -1,11 +1,15 @@
 """A private Slurm for tests: munged, slurmctld and slurmd of this machine's Debian packages,
-started with a configuration of their own (``SLURM_CONF``) and one node, this host.
+started with a configuration of their own (``SLURM_CONF``): one node, this host, or one node
+per namespaced host (``tests/netns_hosts.py``), each with its own slurmd.
 
 Needs root and the ``slurm-wlm`` and ``munge`` packages (``make test`` installs them);
 :func:`missing` says what is absent.
 
     with LocalSlurm() as slurm:   # os.environ["SLURM_CONF"] points at it meanwhile
         subprocess.run(["srun", "-n", "2", "hostname"])
+
+    with NetnsHosts(2) as hosts, LocalSlurm(hosts) as slurm:   # nodes axnb1 and axnb2
+        subprocess.run(["srun", "-N", "2", "hostname"])
 """
 
 from __future__ import annotations
@@ -19,11 +23,15 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 from started import Started
 
 from axon_nb.rank.world.rendezvous_port import free_port
+
+if TYPE_CHECKING:
+    from netns_hosts import NetnsHosts
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 
@@ -49,9 +57,13 @@ def _free_port(*, besides: int = 0) -> int:
 
 
 class LocalSlurm(Started):
-    """One partition, ``debug``, of one node (this host, 8 CPUs declared)."""
+    """One partition, ``debug``: this host (8 CPUs declared), or ``hosts`` (4 CPUs each;
+    slurmctld stays on this host, at the bridge's address for them). Jobs are followed
+    without accounting: ``squeue`` while they run, ``scontrol show job`` for a while after."""
 
-    def __init__(self) -> None:
+    def __init__(self, hosts: NetnsHosts | None = None) -> None:
+        self.hosts = hosts
+        self.nodes = hosts.names if hosts is not None else [socket.gethostname().split(".")[0]]
         self.dir = Path(tempfile.mkdtemp(prefix="axnb-slurm-"))
         self.conf = str(self.dir / "slurm.conf")
         self._saved = os.environ.get("SLURM_CONF")
@@ -65,12 +77,56 @@ class LocalSlurm(Started):
         return out.split()
 
     def _alive(self) -> bool:
-        return (self.dir / "slurmd.pid").exists()
+        return any((self.dir / f"slurmd-{n}.pid").exists() for n in self.nodes)
+
+    def _node_lines(self) -> str:
+        if self.hosts is None:
+            return f"NodeName={self.nodes[0]} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN\n"
+        return "".join(
+            f"NodeName={n} NodeAddr={a} CPUs=4 State=UNKNOWN\n"
+            for n, a in zip(self.hosts.names, self.hosts.addresses, strict=True)
+        )
+
+    def _partition_lines(self) -> str:
+        """``debug``; across hosts also ``urgent``, whose jobs preempt ``debug``'s (requeued:
+        SIGTERM, then KillWait before SIGKILL), as on clusters with spot partitions."""
+        nodes = ",".join(self.nodes)
+        if self.hosts is None:
+            return (f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP "
+                    "OverSubscribe=FORCE\n")  # fmt: skip
+        return (
+            "PreemptType=preempt/partition_prio\nPreemptMode=REQUEUE\n"
+            f"PartitionName=debug Nodes={nodes} Default=YES MaxTime=INFINITE State=UP "
+            "PriorityTier=1 GraceTime=30\n"
+            f"PartitionName=urgent Nodes={nodes} MaxTime=INFINITE State=UP PriorityTier=2 "
+            "PreemptMode=OFF\n"
+        )
+
+    def _start_slurmds(self) -> None:
+        """One slurmd per node; a namespaced host's runs inside it, under its host name."""
+        if self.hosts is None:
+            subprocess.run(["slurmd"], check=True, capture_output=True, timeout=30)
+            return
+        for name in self.hosts.names:
+            # (not ``ip netns exec``: it mounts a sysfs of its own, without the cgroup tree
+            # slurmd needs; the host's name service is bound in as ``ip netns exec`` does)
+            etc = f"/etc/netns/{name}"
+            started = subprocess.run(
+                ["nsenter", f"--net=/run/netns/{name}", "unshare", "--uts", "--mount",
+                 "--propagation", "private", "sh", "-c",
+                 f"hostname {name} && mount --bind {etc}/hosts /etc/hosts && "
+                 f"mount --bind {etc}/resolv.conf /etc/resolv.conf && exec slurmd"],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            if started.returncode != 0:
+                logs = "".join(p.read_text() for p in self.dir.glob("slurmd-*.log"))
+                raise RuntimeError(f"slurmd on {name} did not start: {started.stderr}{logs}")
 
     def _start(self) -> None:
         d = self.dir
         (d / "state").mkdir()
-        (d / "spool").mkdir()
+        for node in self.nodes:
+            (d / f"spool-{node}").mkdir()
         key = d / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
@@ -82,34 +138,33 @@ class LocalSlurm(Started):
         )  # fmt: skip
         node = socket.gethostname().split(".")[0]
         ctld_port = _free_port()
+        # cred_expire: a requeued job waits that long before it may start again (120 s)
         Path(self.conf).write_text(
             f"ClusterName=axnb\nSlurmctldHost={node}\nAuthType=auth/munge\n"
-            f"AuthInfo=socket={d / 'munge.sock'}\nCredType=cred/munge\n"
+            f"AuthInfo=socket={d / 'munge.sock'},cred_expire=10\nCredType=cred/munge\n"
             "SlurmUser=root\nSlurmdUser=root\n"
             f"SlurmctldPort={ctld_port}\nSlurmdPort={_free_port(besides=ctld_port)}\n"
-            f"StateSaveLocation={d / 'state'}\nSlurmdSpoolDir={d / 'spool'}\n"
-            f"SlurmctldPidFile={d / 'slurmctld.pid'}\nSlurmdPidFile={d / 'slurmd.pid'}\n"
-            f"SlurmctldLogFile={d / 'slurmctld.log'}\nSlurmdLogFile={d / 'slurmd.log'}\n"
+            f"StateSaveLocation={d / 'state'}\nSlurmdSpoolDir={d / 'spool-%n'}\n"
+            f"SlurmctldPidFile={d / 'slurmctld.pid'}\nSlurmdPidFile={d / 'slurmd-%n.pid'}\n"
+            f"SlurmctldLogFile={d / 'slurmctld.log'}\nSlurmdLogFile={d / 'slurmd-%n.log'}\n"
             "ProctrackType=proctrack/linuxproc\nTaskPlugin=task/none\n"
-            "SchedulerType=sched/builtin\nSelectType=select/cons_tres\n"
+            "SchedulerType=sched/builtin\nSchedulerParameters=sched_interval=2\n"
+            "SelectType=select/cons_tres\n"
             "SelectTypeParameters=CR_Core\nSlurmdParameters=config_overrides\n"
             "ReturnToService=2\nMpiDefault=none\nJobAcctGatherType=jobacct_gather/none\n"
-            f"NodeName={node} NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN\n"
-            f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP "
-            "OverSubscribe=FORCE\n"
+            f"{self._node_lines()}"
+            f"{self._partition_lines()}"
         )
         os.environ["SLURM_CONF"] = self.conf
         subprocess.run(["slurmctld", "-i"], check=True, capture_output=True, timeout=30)
-        subprocess.run(["slurmd"], check=True, capture_output=True, timeout=30)
+        self._start_slurmds()
         deadline = time.monotonic() + 30
-        while (
-            "idle"
-            not in subprocess.run(
-                ["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=20
-            ).stdout
-        ):
+        while subprocess.run(
+            ["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, timeout=20
+        ).stdout.split().count("idle") < len(self.nodes):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"slurmd did not come up: {(d / 'slurmd.log').read_text()}")
+                logs = "".join(p.read_text() for p in d.glob("slurm*.log"))
+                raise RuntimeError(f"slurmd did not come up: {logs}")
             time.sleep(0.3)
 
     def close(self) -> None:
@@ -119,8 +174,8 @@ class LocalSlurm(Started):
             deadline = time.monotonic() + 20  # let slurmd end the jobs' steps first
             while self._alive() and self.jobs() and time.monotonic() < deadline:
                 time.sleep(0.3)
-        for daemon in reversed(DAEMONS):
-            pid_file = self.dir / f"{daemon}.pid"
+        pid_files = [self.dir / f"slurmd-{n}.pid" for n in self.nodes]
+        for pid_file in [*pid_files, self.dir / "slurmctld.pid", self.dir / "munged.pid"]:
             if pid_file.exists():
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid_file.read_text().split()[0]), signal.SIGTERM)

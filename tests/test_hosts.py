@@ -70,7 +70,7 @@ def test_ranks_on_two_hosts_train_listen_on_their_network_and_leave_nothing(
     cluster = axon_nb.Cluster(n=4, hosts=spec, iface=IFACE, timeout=60, start_timeout=120)
     with cluster:
         assert [(r["host"], r["local_rank"]) for r in cluster.ranks] == [
-            ("axnb1", 0), ("axnb1", 1), ("axnb2", 0), ("axnb2", 1),
+            (hosts.names[0], 0), (hosts.names[0], 1), (hosts.names[1], 0), (hosts.names[1], 1),
         ]  # fmt: skip
         assert cluster.ranks_per_host == 2
         store = f"tcp://{hosts.addresses[0]}:{cluster.ranks[0]['master_port']}"
@@ -99,11 +99,11 @@ def test_ranks_on_two_hosts_train_listen_on_their_network_and_leave_nothing(
         assert exposed == [], exposed
         here = _listening([p.pid for p in kernel_side])
         controller = {e[1] for e in here if "controller" in e[0]}
-        assert controller == {"10.77.0.1", "127.0.0.1"}  # the ranks' network, not all
+        assert controller == {hosts.gateway, "127.0.0.1"}  # the ranks' network, not all
         # the one exception, which MPICH cannot narrow: hydra's control port for its proxies
-        wide = [e for e in here if e[1] not in {"10.77.0.1", "127.0.0.1", "::1"}]
+        wide = [e for e in here if e[1] not in {hosts.gateway, "127.0.0.1", "::1"}]
         assert [e[0].split()[0].rsplit("/", 1)[-1] for e in wide] == ["mpiexec"], wide
-        assert "mpiexec" in cluster.exposure() and "10.77.0.1" in cluster.exposure()
+        assert "mpiexec" in cluster.exposure() and hosts.gateway in cluster.exposure()
 
         victim = cluster.ranks[3]["pid"]  # a rank on the other host
         killed = [0.0]
@@ -212,7 +212,7 @@ def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tm
     cluster = axon_nb.Cluster(n=2, hosts=spec, iface=IFACE, timeout=60, start_timeout=120)
     with cluster:
         client = cluster.dask()
-        assert client.scheduler.address.startswith("tls://10.77.0.1:")
+        assert client.scheduler.address.startswith(f"tls://{hosts.gateway}:")
         assert sorted(urlsplit(a).hostname for a in workers_by_rank(client).values()) == [
             *hosts.addresses[:2]
         ]  # each rank's worker on its host's address, over TLS
@@ -223,13 +223,13 @@ def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tm
         here = _listening([p.pid for p in psutil.Process().children(recursive=True)], True)
         ports = sorted(
             {
-                ("10.77.0.1" if address in ("0.0.0.0", "::") else address, port)
+                (hosts.gateway if address in ("0.0.0.0", "::") else address, port)
                 for _, address, port in here
                 if address not in ("127.0.0.1", "::1")
             }
             | {entry for name in hosts.names[:2] for entry in _netns_listening(name)}
         )
-        assert ("10.77.0.1", int(client.scheduler.address.rsplit(":", 1)[1])) in ports
+        assert (hosts.gateway, int(client.scheduler.address.rsplit(":", 1)[1])) in ports
         assert any(address == hosts.addresses[0] for address, _ in ports)  # the ranks' ports
         # the cluster's keys are in no process's command line, on any host
         secrets = _cluster_secrets(cluster)
@@ -243,7 +243,7 @@ def test_a_third_host_gets_nothing_from_a_two_host_cluster(hosts: NetnsHosts, tm
         assert not canary.exists()
         # the scheduler and the workers on both hosts refused a stranger's certificate
         refused = [w for w, e in report.items() if "certificate" in str(e)]
-        assert {w.split(":")[0] for w in refused} == {"10.77.0.1", *hosts.addresses[:2]}
+        assert {w.split(":")[0] for w in refused} == {hosts.gateway, *hosts.addresses[:2]}
         assert_nothing_got(report, MARKER)
         assert cluster.run(lambda: 1, stream=False) == [1, 1]  # the probing harmed nothing
         assert client.submit(sum, [1, 2]).result(timeout=30) == 3

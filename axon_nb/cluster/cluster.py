@@ -79,6 +79,7 @@ class Cluster(FeatureDelegates):  # (a ClusterLike: Transport, and what features
         detach: bool = False,
         name: str | None = None,
         idle_timeout: float = 7200.0,
+        preempt_signal: str = "USR2",
     ) -> None:
         arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         super().__init__(ClusterOptions.from_arguments(**arguments))

@@ -17,8 +17,10 @@ from axon_nb.cluster import warm_engines
 from axon_nb.cluster.dask_tls import cluster_tls, scheduler_environment
 from axon_nb.cluster.options import ClusterOptions, format_hosts
 from axon_nb.cluster.private_paths import private_cache_environment
+from axon_nb.cluster.slurm_notice import write_srun_wrapper
 from axon_nb.errors import ClusterStartError
 from axon_nb.spec.bootstrap_spec import address_toward
+from axon_nb.spec.notice_signal import ENV as NOTICE_ENV
 from axon_nb.spec.warm_engines import SERVER_ENV
 
 MPI_HINT = (
@@ -74,10 +76,12 @@ def configure_controller(cluster: ipp.Cluster, private_dir: Path) -> None:
     launcher.environment = scheduler_environment(cluster_tls(private_dir), private_dir)
 
 
-def engine_environment(log_path: str) -> dict[str, str]:
-    """What every engine launcher adds to the ranks' environment: where engines write, and
-    torch's compile cache in the user's own cache directory (``cluster/private_paths.py``)."""
-    return {"AXON_NB_ENGINE_LOG": log_path, **private_cache_environment()}
+def engine_environment(log_path: str, options: ClusterOptions) -> dict[str, str]:
+    """What every engine launcher adds to the ranks' environment: where engines write, their
+    preemption notice's signal, and torch's compile cache in the user's own cache directory
+    (``cluster/private_paths.py``)."""
+    return {"AXON_NB_ENGINE_LOG": log_path, NOTICE_ENV: options.preempt_signal,
+            **private_cache_environment()}  # fmt: skip
 
 
 def warm_engine_environment(options: ClusterOptions) -> dict[str, str]:
@@ -148,7 +152,7 @@ def _configure_mpi(cluster: ipp.Cluster, options: ClusterOptions, log_path: str)
             mpiexec = find_mpiexec()
         environment = {**LOOPBACK_MPI_ENV, **warm_engine_environment(options)}
     launcher.mpi_cmd = [mpiexec]
-    launcher.environment = {**environment, **engine_environment(log_path)}
+    launcher.environment = {**environment, **engine_environment(log_path, options)}
     launcher.engine_args = list(ENGINE_ARGS)  # (ipyparallel adds --mpi)
     # A rank killed by a signal must not take the others with it (hydra's and gforker's
     # process managers end the rest): its parent, ``rank/world/launch.py``, keeps its MPI slot, and
@@ -165,6 +169,7 @@ SLURM_JOB = """#!/bin/sh
 #SBATCH --job-name=axon-{cluster_id}
 #SBATCH --ntasks={n}
 #SBATCH --output={log_dir}/axon-slurm-%j.out
+trap '' {notice}
 exec {mpiexec} -disable-auto-cleanup -n {n} {program_and_args}
 """
 """The engines' batch job: hydra's ``mpiexec`` inside the allocation starts a proxy on each of
@@ -177,8 +182,12 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
     ``mpiexec`` uses it directly; elsewhere ipyparallel's Slurm launcher submits
     :data:`SLURM_JOB` with ``sbatch`` (``--partition``, ``--time``) and ``scancel`` stops it."""
     mpiexec = find_mpiexec("mpiexec.hydra")
-    environment = {**_network_mpi_env(options.iface), **engine_environment(log_path)}
-    _bind_controller(cluster, primary_address())  # where the job's nodes reach this host
+    environment = {**_network_mpi_env(options.iface), **engine_environment(log_path, options)}
+    _bind_controller(cluster, _toward_slurm_nodes(options.partition))
+    log_dir = os.path.join(cluster.profile_dir, "log")
+    os.makedirs(log_dir, exist_ok=True)
+    # hydra's proxies must outlive the preemption notice (cluster/slurm_notice.py)
+    environment["HYDRA_LAUNCHER_EXEC"] = write_srun_wrapper(log_dir, options.preempt_signal)
     if os.environ.get("SLURM_JOB_ID"):
         cluster.engine_launcher_class = "mpi"
         launcher = cluster.config.MPIEngineSetLauncher
@@ -191,10 +200,12 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
     cluster.engine_launcher_class = "slurm"
     launcher = cluster.config.SlurmEngineSetLauncher
     # The batch file and the job's output go to the profile's log directory, not the cwd.
-    log_dir = os.path.join(cluster.profile_dir, "log")
-    os.makedirs(log_dir, exist_ok=True)
     launcher.batch_file_name = os.path.join(log_dir, f"axon-slurm-{cluster.cluster_id}.sbatch")
-    launcher.batch_template = SLURM_JOB.replace("{mpiexec}", mpiexec).replace("{log_dir}", log_dir)
+    launcher.batch_template = (
+        SLURM_JOB.replace("{mpiexec}", mpiexec)
+        .replace("{log_dir}", log_dir)
+        .replace("{notice}", options.preempt_signal)
+    )
     launcher.engine_cmd = engine_cmd()
     launcher.engine_args = ["--mpi", *ENGINE_ARGS]
     launcher.environment = environment
@@ -228,6 +239,21 @@ def primary_address() -> str:
         raise ClusterStartError(f"this host's name does not resolve to an address: {e}") from None
 
 
+def _toward_slurm_nodes(partition: str | None) -> str:
+    """Where the batch job's nodes reach this host: its address by name, unless that is a
+    loopback one (a name in ``/etc/hosts`` as ``127.0.0.1``), then the one on the network that
+    reaches the partition's first node (``sinfo``'s NodeAddr)."""
+    address = primary_address()
+    if not address.startswith("127."):
+        return address
+    command = ["sinfo", "-h", "-N", "-o", "%o", *(["-p", partition] if partition else [])]
+    try:
+        nodes = subprocess.run(command, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return address
+    return route_address(nodes.split()[0]) if nodes.split() else address
+
+
 def route_address(host: str) -> str:
     """This machine's address on the network that reaches ``host``."""
     try:
@@ -241,7 +267,10 @@ def _configure_local(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
     launcher = cluster.config.LocalEngineSetLauncher
     launcher.engine_cmd = engine_cmd()
     launcher.engine_args = ENGINE_ARGS
-    launcher.environment = {**engine_environment(log_path), **warm_engine_environment(options)}
+    launcher.environment = {
+        **engine_environment(log_path, options),
+        **warm_engine_environment(options),
+    }
 
 
 LAUNCHERS: dict[str, Callable[[ipp.Cluster, ClusterOptions, str], None]] = {

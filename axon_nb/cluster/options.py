@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from axon_nb.spec.notice_signal import check_notice_signal
 from axon_nb.spec.placement import BACKENDS
 
 ENGINE_KINDS = ("mpi", "local", "slurm")
@@ -60,6 +61,10 @@ class ClusterOptions:
     idle_timeout: float = 7200.0
     """A detached cluster ends after this many seconds with no kernel attached and no run
     in progress."""
+    preempt_signal: str = "USR2"
+    """The preemption notice (Slurm's ``--signal=USR2@90``, ``scancel --signal=USR2``, a spot
+    notice) to any rank: a run in ``train`` stops at the next step on every rank and each
+    writes its part of a checkpoint. SIGTERM stays axon_nb's stop."""
 
     @classmethod
     def from_arguments(
@@ -123,6 +128,9 @@ class ClusterOptions:
                     f"e.g. `%axon_cluster 4 {flag} 300`"
                 )
         _check_detach(self)
+        object.__setattr__(  # (frozen: "SIGUSR2" and "usr2" kept as "USR2")
+            self, "preempt_signal", check_notice_signal(self.preempt_signal, cluster=True)
+        )
         hang = self.hang_timeout
         if hang is not None and not _positive_seconds(hang):
             raise ValueError(

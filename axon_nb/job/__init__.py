@@ -25,11 +25,13 @@ if TYPE_CHECKING:  # (loaded on first use: ``python -m axon_nb.job`` needs none 
 
 
 def job(job_dir: str | os.PathLike[str]) -> Job:
-    """The job whose directory is ``job_dir`` (or whose id ``axon_nb.jobs()`` shows).
+    """The job whose directory is ``job_dir``, or whose id ``axon_nb.jobs()`` shows (a Slurm
+    job id works from any host that can ask Slurm: its output says where its directory is).
 
     Example::
 
         job = axon_nb.job("axon_jobs/model-20261129-061200-ab12")
+        job = axon_nb.job("4242")     # a Slurm job's id
     """
     from axon_nb.cluster.detached import private_runtime_dir
     from axon_nb.job.handle import Job
@@ -37,6 +39,10 @@ def job(job_dir: str | os.PathLike[str]) -> Job:
     indexed = private_runtime_dir("axon-jobs") / f"{os.fspath(job_dir)}.json"
     if not os.path.isdir(job_dir) and indexed.is_file():
         job_dir = json.loads(indexed.read_text())["dir"]
+    elif not os.path.isdir(job_dir) and os.fspath(job_dir).isdigit():
+        from axon_nb.job.slurm import slurm_job_dir
+
+        job_dir = slurm_job_dir(os.fspath(job_dir)) or job_dir
     return Job(job_dir)
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 from axon_nb.cluster.detached import process_start, same_process
 from axon_nb.errors import AxonError, RankError
+from axon_nb.job.slurm import scancel
+from axon_nb.job.slurm_state import cancel_slurm_job, slurm_job_state
 from axon_nb.job.supervisor import rank_pids
 from axon_nb.spec.job_files import FINAL_STATES, read_job, read_state
 from axon_nb.spec.kept_runs import last_step, stream_path
@@ -50,8 +52,14 @@ class Job:
 
     @property
     def id(self) -> str:
-        """``local-<pid>`` for a job on this host (its supervisor's pid)."""
-        return str(read_job(self.dir).get("id") or self._job.get("id"))
+        """``local-<pid>`` for a job on this host (its supervisor's pid); a Slurm job's id
+        (the latest, after a resubmission by hand)."""
+        resubmitted = read_state(self.dir).get("slurm_job_id")
+        return str(resubmitted or read_job(self.dir).get("id") or self._job.get("id"))
+
+    @property
+    def on_slurm(self) -> bool:
+        return self._job.get("launcher") == "slurm"
 
     @property
     def name(self) -> str:
@@ -63,6 +71,8 @@ class Job:
         ``preempted`` (checkpointed, not requeued), ``finished``, ``failed`` or
         ``cancelled``."""
         state = read_state(self.dir)
+        if self.on_slurm:
+            return slurm_job_state(self.dir, self.id, requeue=bool(self._job.get("requeue")))
         if state.get("state") in ("submitted", "running", "requeued") and not (
             self._supervisor_alive(state)
         ):
@@ -83,7 +93,10 @@ class Job:
         self.handle().show()
 
     def pids(self) -> list[int]:
-        """The ranks' processes, while they run (on this host)."""
+        """The ranks' processes, while they run (a torchrun job, on this host; a Slurm job's
+        run on its nodes: ``[]``)."""
+        if self.on_slurm:
+            return []
         torchrun = read_state(self.dir).get("torchrun_pid")
         return rank_pids(int(torchrun)) if torchrun else []
 
@@ -107,6 +120,8 @@ class Job:
 
     def cancel(self) -> None:
         """End the job (its ranks stop where they are); its state becomes ``cancelled``."""
+        if self.on_slurm:
+            return cancel_slurm_job(self.dir, self.id)
         state = read_state(self.dir)
         pid = state.get("supervisor_pid") or self._supervisor
         if pid and self._supervisor_alive(state):
@@ -134,6 +149,8 @@ class Job:
         return self._handle
 
     def _signal(self, signum: int) -> None:
+        if self.on_slurm:
+            return scancel(self.id, signal.Signals(signum).name.removeprefix("SIG"))
         for pid in self.pids():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signum)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -26,9 +25,11 @@ import cloudpickle
 from axon_nb.cluster.detached import private_runtime_dir
 from axon_nb.errors import AxonError
 from axon_nb.job.handle import Job
+from axon_nb.job.slurm import missing_slurm, submit_to_slurm
 from axon_nb.spec.job_files import read_job, write_state
 from axon_nb.spec.kept_runs import run_dir, write_atomically
 from axon_nb.spec.make import make_spec
+from axon_nb.spec.notice_signal import check_notice_signal
 from axon_nb.spec.validation import check_world
 from axon_nb.strategies import DDP
 
@@ -49,13 +50,18 @@ def submit(
     nodes: int | None = None,
     gpus_per_node: int | None = None,
     account: str | None = None,
+    iface: str | None = None,
+    signal_delay_s: int | None = None,
     **options: Any,
 ) -> Job:
     """Run ``cluster.train(model, data, **options)`` as a batch job of ``ranks`` ranks, with
     no kernel: the spec goes into ``job_dir`` (default ``./axon_jobs/<name>-<time>``) and
-    ``python -m axon_nb.job JOB_DIR`` runs it (``launcher="torchrun"``: under torchrun on
-    this host). Returns the :class:`~axon_nb.job.handle.Job` (``axon_nb.job(job_dir)`` finds
-    it from any kernel). ``options`` are ``train``'s. Example::
+    ``python -m axon_nb.job JOB_DIR`` runs it under torchrun on this host
+    (``launcher="torchrun"``), or Slurm runs it (``launcher="slurm"``, through submitit, with
+    ``partition``, ``time_limit``, ``nodes``, ``gpus_per_node``, ``account``; ``iface``: the
+    network the ranks talk over; ``signal_delay_s``: the notice comes that long before the
+    time limit, 90 by default). Returns the :class:`~axon_nb.job.handle.Job`
+    (``axon_nb.job(job_dir)`` finds it from any kernel). ``options`` are ``train``'s. Example::
 
         job = axon_nb.submit(model=make_model, data=ds, steps=500, batch_size=32, ranks=2)
         print(job.id, job.state)
@@ -64,15 +70,22 @@ def submit(
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     slurm = dict(partition=partition, time_limit=time_limit, nodes=nodes,
-                 gpus_per_node=gpus_per_node, account=account)  # fmt: skip
-    if launcher == "slurm":
-        _refuse_slurm()
+                 gpus_per_node=gpus_per_node, account=account, iface=iface,
+                 signal_delay_s=signal_delay_s)  # fmt: skip
+    if launcher == "slurm" and (why := missing_slurm()) is not None:
+        raise AxonError(why)
     given = [k for k, v in slurm.items() if v is not None]
-    if given:
+    if launcher != "slurm" and given:
         raise ValueError(f"{', '.join(given)} are Slurm options: use launcher='slurm'")
-    _check_signal(preempt_signal)
+    check_notice_signal(preempt_signal, cluster=False)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
+    if launcher == "slurm" and (isinstance(nodes, bool) or not isinstance(nodes, int | None)
+                                or ranks % (nodes or 1)):  # fmt: skip
+        raise ValueError(
+            f"nodes={nodes!r} must be a positive integer that divides ranks={ranks} (each "
+            "node runs ranks // nodes ranks)"
+        )
     spec = make_spec(DDP, model=model, data=data, **options)
     check_world(spec, ranks)
     payload = _pickled(spec)
@@ -82,13 +95,9 @@ def submit(
         "launcher": launcher, "ranks": ranks, "name": spec.name, "steps": spec.steps,
         "run": run, "requeue": requeue, "cwd": os.getcwd(), "python": sys.executable,
         "submitted_at": time.time(), "id": None, "preempt_signal": preempt_signal,
+        "iface": iface,
     }  # fmt: skip
     (directory / "spec.pkl").write_bytes(payload)
-    command = [sys.executable, "-m", "axon_nb.job", str(directory)]
-    (directory / "run.sh").write_text(
-        "#!/bin/sh\n# This job's command; run it again with: sh run.sh\n"
-        f"cd {shlex.quote(os.getcwd())}\nexec {shlex.join(command)}\n"
-    )
     started = {"run": run, "steps": spec.steps, "targets": list(range(ranks)),
                "strategy": spec.strategy.describe(), "kernel_pid": 0,
                "started_at": time.time()}  # fmt: skip
@@ -96,44 +105,46 @@ def submit(
     write_atomically(run_dir(directory, spec.name) / "run.json", json.dumps(started).encode())
     write_atomically(directory / "job.json", json.dumps(job, indent=1).encode())
     write_state(directory, "submitted")
-    supervisor = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd(),
-    )  # fmt: skip
-    job_id = f"local-{supervisor.pid}"
-    job["id"] = job_id  # (the supervisor has read what it needs)
+    if launcher == "slurm":
+        _write_sbatch_run_sh(directory)
+        job_id = submit_to_slurm(
+            directory, name=spec.name, ranks=ranks, nodes=nodes or 1, requeue=requeue,
+            preempt_signal=preempt_signal, partition=partition, time_limit=time_limit,
+            gpus_per_node=gpus_per_node, account=account,
+            signal_delay_s=90 if signal_delay_s is None else signal_delay_s,
+        )  # fmt: skip
+        supervisor_pid = None
+    else:
+        command = [sys.executable, "-m", "axon_nb.job", str(directory)]
+        _write_run_sh(directory, command, "run it again")
+        supervisor = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, cwd=os.getcwd(),
+        )  # fmt: skip
+        job_id, supervisor_pid = f"local-{supervisor.pid}", supervisor.pid
+    job["id"] = job_id  # (the supervisor or the tasks have read what they need)
     write_atomically(directory / "job.json", json.dumps(job, indent=1).encode())
     _index(job_id, directory)
-    return Job(directory, supervisor_pid=supervisor.pid)
+    return Job(directory, supervisor_pid=supervisor_pid)
 
 
-def _check_signal(name: str) -> None:
-    """The notice may be any catchable signal but SIGUSR1 (axon_nb's stack dumps, and
-    NCCL's), SIGINT (a stop) and SIGTERM (a cancel, on this host)."""
-    import signal
-
-    wanted = f"SIG{str(name).upper().removeprefix('SIG')}"
-    taken = {"SIGUSR1": "axon_nb's stack-dump signal (and NCCL's)", "SIGINT": "a stop",
-             "SIGTERM": "cancel() on this host", "SIGKILL": "uncatchable",
-             "SIGSTOP": "uncatchable"}  # fmt: skip
-    if not hasattr(signal, wanted) or wanted in taken:
-        why = f" ({taken[wanted]})" if wanted in taken else ""
-        raise ValueError(
-            f"preempt_signal={name!r} cannot be the notice{why}: use USR2 (the default), or "
-            "another catchable signal such as URG"
-        )
+def _write_run_sh(directory: Path, command: list[str], again: str) -> None:
+    (directory / "run.sh").write_text(
+        f"#!/bin/sh\n# This job's command; {again} with: sh run.sh\n"
+        f"cd {shlex.quote(os.getcwd())}\nexec {shlex.join(command)}\n"
+    )
 
 
-def _refuse_slurm() -> None:
-    if shutil.which("sbatch") is None:
-        raise AxonError(
-            "launcher='slurm' submits with sbatch, and there is no sbatch on this host's PATH: "
-            "submit from a Slurm login node, or use launcher='torchrun' to run on this host"
-        )
-    raise AxonError(
-        "launcher='slurm' is not built yet (submission through submitit is planned): use "
-        "launcher='torchrun', or start an interactive cluster in the allocation with "
-        "`%axon_cluster N --engines slurm`"
+def _write_sbatch_run_sh(directory: Path) -> None:
+    """``sbatch job.sbatch`` (options given to ``sh run.sh`` go to sbatch), then the new id
+    noted in the job's directory, so ``axon_nb.job(job_dir)`` follows the new submission."""
+    sbatch = shlex.quote(str(directory / "job.sbatch"))
+    note = shlex.join([sys.executable, "-m", "axon_nb.job", "--submitted", str(directory)])
+    (directory / "run.sh").write_text(
+        "#!/bin/sh\n# This job's submission; submit it again with: sh run.sh [sbatch options]\n"
+        f"cd {shlex.quote(os.getcwd())}\n"
+        f'id=$(sbatch --parsable "$@" {sbatch}) || exit 1\n'
+        f'exec {note} "${{id%%;*}}"\n'
     )
 
 

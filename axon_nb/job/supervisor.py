@@ -63,6 +63,17 @@ def main(argv: list[str]) -> int:
         return 0 if code == 0 else 1
 
 
+def note_resubmitted(argv: list[str]) -> int:
+    """``JOB_DIR SLURM_ID``: the job was submitted again (``sh run.sh``); it waits as
+    ``submitted`` under its new id until its tasks start."""
+    if len(argv) != 2 or not read_job(argv[0]) or not argv[1].isdigit():
+        print("usage: python -m axon_nb.job --submitted JOB_DIR SLURM_JOB_ID", file=sys.stderr)
+        return 2
+    write_state(argv[0], "submitted", slurm_job_id=argv[1], cancel_requested=False)
+    print(f"Submitted batch job {argv[1]}")
+    return 0
+
+
 def _launch(
     job_dir: str, job: dict[str, object], attempt: int
 ) -> tuple[int, dict[str, object] | None]:

@@ -127,13 +127,24 @@ def expert_layout_problem(factory: Any, plan: Any, ep: int) -> str | None:
 
 def train(spec: TrainSpec, run_id: str) -> dict[str, Any]:
     """Run a training spec to the end; this rank's summary. A first Ctrl-C from here on
-    (imports and setup included) stops the run at a step boundary."""
-    from axon_nb.rank.world.interrupts import StopSignal
+    (imports and setup included) stops the run at a step boundary; so does the cluster's
+    preemption notice, after which every rank checkpoints (``rank/preemption.py``)."""
+    import os
 
-    with StopSignal() as stop:
+    from axon_nb.rank.preemption import Preemption
+    from axon_nb.spec.notice_signal import ENV
+
+    # the cluster's preemption notice (USR2 by default) stops it too, with a checkpoint
+    with Preemption(os.environ.get(ENV, "USR2")) as notice:
         from axon_nb.rank.training import loop
 
-        return loop.train_on_rank(spec, run_id, stop)
+        def preempted(state: Any) -> dict[str, Any] | None:
+            if not notice.agree():  # (every rank: the run stopped on all of them)
+                return None
+            directory = spec.checkpoint_dir or os.path.join("axon_checkpoints", spec.name)
+            return notice.checkpoint(spec.name, state.step, directory)
+
+        return loop.train_on_rank(spec, run_id, notice.stop, preempted)
 
 
 def save_checkpoint(name: str, target: SaveTarget) -> int:
@@ -170,6 +181,13 @@ def rescue_assemble(name: str, target: SaveTarget, dead: list[int]) -> dict[str,
     from axon_nb.rank.checkpoint import rescue
 
     return rescue.assemble(name, target, dead)
+
+
+def slurm_task(job_dir: str) -> int:
+    """(Each task of a Slurm batch job, under submitit) run this task's rank of the job."""
+    from axon_nb.rank.job_slurm_task import run_task
+
+    return run_task(job_dir)
 
 
 def run_script(path: str, args: list[str], cwd: str) -> int:

@@ -3,7 +3,7 @@ torchrun describes, train the job's spec with the loop every cluster runs, keep 
 stream, output and summary in the job's directory (``spec/job_files.py``).
 
 On the job's notice signal (``USR2`` by default) every rank checkpoints at the same step and
-exits with ``PREEMPTED_EXIT``; a relaunch goes on from there (``rank/job_preemption.py``).
+exits with ``PREEMPTED_EXIT``; a relaunch goes on from there (``rank/preemption.py``).
 
 Usage (what the job's supervisor runs through torchrun):
 ``python -m torch.distributed.run --standalone --nproc-per-node N -m axon_nb.rank.job_rank
@@ -13,6 +13,7 @@ JOB_DIR``.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import pickle
 import socket
@@ -22,13 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from axon_nb.rank import runtime
-from axon_nb.rank.job_preemption import PREEMPTED_EXIT, Preemption, resume_from_checkpoint
+from axon_nb.rank.preemption import PREEMPTED_EXIT, Preemption, resume_from_checkpoint
 from axon_nb.rank.world import kept_runs
-from axon_nb.spec.job_files import read_job
+from axon_nb.spec.job_files import checkpoints_dir, read_job
+from axon_nb.spec.kept_runs import write_atomically
 from axon_nb.spec.train_spec import TrainSpec
 
 
-def main(job_dir: str) -> int:
+def main(job_dir: str, *, batch: bool = False) -> int:
+    """Run this rank of the job in ``job_dir``; 0, or ``PREEMPTED_EXIT`` after a notice.
+    ``batch``: a Slurm batch job, where SIGTERM (preemption) is a notice too."""
     import torch
     import torch.distributed as dist
 
@@ -51,15 +55,18 @@ def main(job_dir: str) -> int:
     kept_runs.keep(job_dir, rank)
     with open(Path(job_dir) / "spec.pkl", "rb") as f:
         spec: TrainSpec = pickle.load(f)  # (the job's own owner-only directory)
-    with Preemption(job_dir, str(job.get("preempt_signal", "USR2"))) as notice:
+    with Preemption(str(job.get("preempt_signal", "USR2")), sigterm=batch) as notice:
         try:
             summary = _train(spec, job_dir, job["run"], notice)
         except BaseException as e:
             error = (type(e).__name__, str(e), traceback.format_exc())
             kept_runs.keep_end(spec.name, {"error": error})
             raise
-        if notice.arrived is not None:
-            notice.checkpoint(spec.name, int(summary["step"]))
+        if summary.get("status") == "stopped" and notice.agree():
+            said = notice.checkpoint(spec.name, int(summary["step"]), checkpoints_dir(job_dir))
+            if rank == 0:
+                write_atomically(Path(job_dir) / "preempted.json", json.dumps(said).encode())
+            dist.barrier()
             dist.destroy_process_group()
             return PREEMPTED_EXIT
     kept_runs.keep_end(spec.name, summary)

@@ -11,6 +11,8 @@ Layout (the directory is owner-only, 0700)::
     supervisor.log  what the launcher (torchrun) printed
     runs/<name>/    the run's metrics stream and summaries per rank (``spec/kept_runs.py``)
     output/         each rank's stdout and stderr
+    job.sbatch      (Slurm) the batch script submitit wrote: ``sbatch job.sbatch`` again
+    slurm/          (Slurm) submitit's folder: the task it runs, Slurm's output per task
 
 Pure Python: the kernel, the supervisor and the ranks import it.
 """
@@ -36,6 +38,13 @@ PREEMPTED_EXIT = 99
 def checkpoints_dir(job_dir: str | os.PathLike[str]) -> Path:
     """Where a job's preemption checkpoints go (``step-<n>`` each)."""
     return Path(job_dir) / "checkpoints"
+
+
+def requeue_marker(job_dir: str | os.PathLike[str]) -> Path:
+    """A Slurm job's rank 0 makes it after a notice; the batch script then requeues the job
+    (from inside a task, ``scontrol requeue`` ends the tasks before they exit by themselves:
+    Slurm then waits its KillWait before the job may start again)."""
+    return Path(job_dir) / "slurm" / "requeue"
 
 
 def read_json(path: Path) -> dict[str, Any]:

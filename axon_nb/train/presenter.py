@@ -82,7 +82,15 @@ class RunPresenter:
         if result.traces:
             print(trace_table(result.traces))
             self.dashboard.trace_summary = result.traces
-        if result.stopped:
+        if result.preempted:
+            said = result.preempted
+            print(
+                f"Preempted ({said['signal']}) at step {said['step']}: every rank wrote its part "
+                f"of a checkpoint to {said['path']}. On a new cluster, train(..., steps=0), "
+                f"cluster.load({said['path']!r}) and train(..., resume=True) go on from it.",
+                file=sys.stderr,
+            )
+        elif result.stopped:
             print(
                 f"Training stopped at step {result.step} on every rank; "
                 f"`{self._name}` is usable on the ranks, and train(..., resume=True) "

@@ -74,6 +74,9 @@ class TrainResult:
     there, ``status`` stays ``finished``); None when it lasted."""
     checkpoint: dict[str, Any] | None = None
     """With ``checkpoint_dir``: the newest complete periodic checkpoint (``step``, ``path``)."""
+    preempted: dict[str, Any] | None = None
+    """After a preemption notice (``Cluster(preempt_signal=...)``): the checkpoint every rank
+    wrote (``step``, ``path``, ``signal``, ``notice_at``, ``saved_at``); the run is stopped."""
     restarts: list[dict[str, Any]] = field(default_factory=list)
     """With ``max_restarts``: each recovery (``error``, ``failed_at_step``, ``resumed_from``,
     ``seconds``), oldest first; ``history`` runs on through them as one."""
@@ -185,6 +188,7 @@ def build_result(
         step=summaries[0]["step"],
         history=merge_records(by_rank),
         checkpoint=summaries[0].get("checkpoint"),
+        preempted=summaries[0].get("preempted"),
         data_ended_at=summaries[0].get("data_ended_at"),
         layout_change=summaries[0].get("layout_change"),
         traces=[s.get("trace") for s in summaries] if summaries[0].get("trace") else None,

@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,8 +38,15 @@ from axon_nb.rank.world.interrupts import StopSignal
 from axon_nb.spec.train_spec import TrainSpec
 
 
-def train_on_rank(spec: TrainSpec, run_id: str, stop: StopSignal) -> dict[str, Any]:
-    """Engine entry point: train, stream metrics, return this rank's summary."""
+def train_on_rank(
+    spec: TrainSpec,
+    run_id: str,
+    stop: StopSignal,
+    preempted: Callable[[TrainState], dict[str, Any] | None] | None = None,
+) -> dict[str, Any]:
+    """Engine entry point: train, stream metrics, return this rank's summary. ``preempted``
+    (every rank, when the run stopped) checkpoints it if a preemption notice came, saying
+    where, or returns None."""
     from ipyparallel.datapub import publish_data
     from IPython import get_ipython
 
@@ -47,6 +55,9 @@ def train_on_rank(spec: TrainSpec, run_id: str, stop: StopSignal) -> dict[str, A
     sink = kept_sink(publish_data, spec.name, run_id)  # (a detached cluster keeps the run)
     try:
         summary, state = run(spec, runtime.context(), sink=sink, run_id=run_id, stop=stop)
+        stopped = summary.get("status") == "stopped"  # (so on every rank)
+        if preempted is not None and state is not None and stopped and (said := preempted(state)):
+            summary["preempted"] = said
     except BaseException as e:
         import traceback
 

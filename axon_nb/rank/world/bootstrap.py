@@ -118,7 +118,20 @@ def join_world(
         from axon_nb.rank.observe import watch
 
         watch.start(watch_dir, ctx.rank)
+    _ignore_notices_between_runs()
     return ctx.summary()
+
+
+def _ignore_notices_between_runs() -> None:
+    """A preemption notice with no run in progress has nothing to save: it must not end the
+    engine (USR2's default action); ``train`` takes it while it runs (``rank/preemption.py``)."""
+    import signal
+    import threading
+
+    from axon_nb.spec.notice_signal import ENV, notice_signum
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(notice_signum(os.environ.get(ENV, "USR2")), signal.SIG_IGN)
 
 
 def _torchrun_env(plan: RankPlan) -> dict[str, str]:

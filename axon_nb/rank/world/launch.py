@@ -40,6 +40,8 @@ import time
 import psutil
 
 from axon_nb.rank.world.forked_engine import ForkedEngine
+from axon_nb.spec.notice_signal import ENV as NOTICE_ENV
+from axon_nb.spec.notice_signal import notice_signum
 from axon_nb.spec.shared_data import leftovers
 from axon_nb.spec.stop_waits import TERM_S
 from axon_nb.spec.warm_engines import SERVER_ENV
@@ -114,6 +116,10 @@ def main(argv: list[str]) -> int:
     # Hydra's notice that another rank failed. SIG_IGN is inherited through exec, so the
     # engine ignores it too until its watch thread registers faulthandler on it.
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    # The preemption notice likewise, until a run takes it (``rank/preemption.py``): Slurm's
+    # --signal reaches every process of the step, and USR2's default action ends a process.
+    notice = notice_signum(os.environ.get(NOTICE_ENV, "USR2"))
+    signal.signal(notice, signal.SIG_IGN)
     output = _engine_output()
     child = _start_engine(argv, output)
     if output is not None:
@@ -135,6 +141,8 @@ def main(argv: list[str]) -> int:
         signal.signal(signum, pass_on)
     if isinstance(child, ForkedEngine):  # (not in this process group: hydra's notice, passed on)
         signal.signal(signal.SIGUSR1, lambda signum, frame: _send_quietly(child, signum))
+    # (a notice sent to this process alone is the engine's too)
+    signal.signal(notice, lambda signum, frame: _send_quietly(child, signum))
     if os.getppid() != parent:  # it died before the death signal was set
         pass_on(signal.SIGTERM, None)
     code = _wait(child, stopping)
@@ -151,7 +159,7 @@ def main(argv: list[str]) -> int:
     return 128 - code
 
 
-def _send_quietly(child: ForkedEngine, signum: int) -> None:
+def _send_quietly(child: subprocess.Popen[bytes] | ForkedEngine, signum: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         child.send_signal(signum)
 

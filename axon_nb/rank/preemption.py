@@ -1,21 +1,23 @@
-"""(Rank) a batch job's preemption: on the notice signal every rank finishes the step in
-flight (the loop's stop, agreed at a step boundary), writes a checkpoint into the job's
-``checkpoints/`` and exits with :data:`PREEMPTED_EXIT`; a relaunched job resumes from the
-newest complete one.
+"""(Rank) preemption: on the notice signal every rank finishes the step in flight (the loop's
+stop, agreed at a step boundary) and writes its part of a sharded checkpoint. A batch job then
+exits with :data:`PREEMPTED_EXIT` and its relaunch resumes from the newest complete one
+(``resume_from_checkpoint``); on a cluster (``Cluster(preempt_signal=...)``, inside a Slurm
+allocation or detached) ``train`` returns, stopped, saying where the checkpoint is.
 
 Example (``rank/job_rank.py``)::
 
-    with Preemption(job_dir, "USR2") as notice:
-        spec = resume_from_checkpoint(spec, job_dir, run_id)
+    with Preemption("USR2") as notice:
+        spec = resume_from_checkpoint(spec, job_dir, run_id, notice.stop)
         summary = train(spec, stop=notice.stop)
         if notice.arrived:
-            notice.checkpoint(spec.name, summary["step"])
+            notice.checkpoint(spec.name, summary["step"], checkpoints_dir(job_dir))
 """
 
 from __future__ import annotations
 
 import dataclasses
 import signal
+import threading
 import time
 from pathlib import Path
 from types import FrameType
@@ -25,7 +27,7 @@ from axon_nb.rank.world.interrupts import StopSignal
 from axon_nb.spec.checkpoint_format import SaveTarget
 from axon_nb.spec.checkpoint_series import latest, path_for, remove_partial
 from axon_nb.spec.job_files import PREEMPTED_EXIT, checkpoints_dir
-from axon_nb.spec.kept_runs import write_atomically
+from axon_nb.spec.notice_signal import notice_signum
 from axon_nb.spec.train_spec import TrainSpec
 
 __all__ = ["PREEMPTED_EXIT", "Preemption", "resume_from_checkpoint"]
@@ -33,50 +35,69 @@ __all__ = ["PREEMPTED_EXIT", "Preemption", "resume_from_checkpoint"]
 
 class Preemption:
     """While active: the notice signal asks every rank to stop at the next step boundary
-    (SIGINT still does, as on a cluster)."""
+    (SIGINT still does, as on a cluster). ``sigterm``: SIGTERM is a notice too (a Slurm batch
+    job's preemption; its grace is Slurm's KillWait)."""
 
-    def __init__(self, job_dir: str, signal_name: str) -> None:
-        self.job_dir = job_dir
-        self.signum = getattr(signal, f"SIG{signal_name.upper().removeprefix('SIG')}")
+    def __init__(self, signal_name: str, *, sigterm: bool = False) -> None:
+        notice = notice_signum(signal_name)
+        self.signums = [notice, signal.SIGTERM] if sigterm else [notice]
         self.stop = StopSignal()
         self.arrived: float | None = None
         """When the notice came (``time.time()``), or None."""
-        self._saved: Any = None
+        self.signum: int | None = None
+        """Which signal it was."""
+        self._saved: list[Any] = []
 
     def __enter__(self) -> Preemption:
         self.stop.__enter__()
-        self._saved = signal.signal(self.signum, self._notice)
+        if threading.current_thread() is threading.main_thread():  # (signals go there only)
+            self._saved = [signal.signal(s, self._notice) for s in self.signums]
         return self
 
     def __exit__(self, *exc: object) -> None:
-        signal.signal(self.signum, self._saved)
+        for signum, saved in zip(self.signums, self._saved, strict=False):
+            signal.signal(signum, saved)
         self.stop.__exit__(*exc)
 
     def _notice(self, signum: int, frame: FrameType | None) -> None:
         if self.arrived is None:
-            self.arrived = time.time()
+            self.arrived, self.signum = time.time(), signum
         self.stop.requested = True  # (the loop agrees on the step with every rank)
 
-    def checkpoint(self, name: str, step: int) -> str:
-        """Every rank: write run ``name`` at ``step`` into the job's checkpoints; its path."""
+    def agree(self) -> bool:
+        """Every rank, once the run stopped: whether any rank got the notice (a spot notice
+        may reach one process only); each then knows its signal and earliest time."""
+        import torch
+        import torch.distributed as dist
+
+        mine = [float(self.signum or 0), -(self.arrived or float("inf"))]
+        said = torch.tensor(mine, dtype=torch.float64)
+        if dist.get_backend() == "nccl":
+            said = said.cuda()
+        dist.all_reduce(said, op=dist.ReduceOp.MAX)
+        signum, earliest = said.tolist()
+        if signum:
+            self.signum, self.arrived = int(signum), -earliest
+        return bool(signum)
+
+    def checkpoint(self, name: str, step: int, directory: str | Path) -> dict[str, Any]:
+        """Every rank: write run ``name`` at ``step`` into ``directory`` (``step-<n>``); what
+        happened (the step, the path, the signal, when it came and when it was saved)."""
         import torch.distributed as dist
 
         from axon_nb.rank.checkpoint import checkpoint_io
 
-        path = path_for(str(checkpoints_dir(self.job_dir)), step)
+        path = path_for(str(directory), step)
         target = SaveTarget(path=path, partial=f"{path}.partial-preempted", kind="sharded",
                             replaces=None)  # fmt: skip
         if dist.get_rank() == 0:
-            Path(path).parent.mkdir(mode=0o700, exist_ok=True)
+            Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             target.create_partial()
         dist.barrier()
         checkpoint_io.save(name, target)
-        if dist.get_rank() == 0:
-            write_atomically(Path(self.job_dir) / "preempted.json",
-                             f'{{"step": {step}, "notice_at": {self.arrived}, '
-                             f'"saved_at": {time.time()}}}'.encode())  # fmt: skip
         dist.barrier()
-        return path
+        return {"step": step, "path": path, "notice_at": self.arrived, "saved_at": time.time(),
+                "signal": signal.Signals(self.signum).name if self.signum else None}  # fmt: skip
 
 
 def resume_from_checkpoint(spec: TrainSpec, job_dir: str, run_id: str, stop: StopSignal
