@@ -64,6 +64,10 @@ class AxonMagics(Magics):
     @argument("--detach", action="store_true", help="outlive this kernel (attach: %%axon_attach)")
     @argument("--name", default=None, help="--detach: the cluster's name (default: made up)")
     @argument("--idle-timeout", default="2h", help="--detach: end after this long unattached")
+    @argument(
+        "--preempt-signal", default="USR2",
+        help="the preemption notice (Slurm's --signal): a run checkpoints and stops on it",
+    )  # fmt: skip
     @argument("--list", action="store_true", help="list your detached clusters on this host")
     @argument("--stop", action="store_true", help="stop the running cluster")
     @argument("--restart", action="store_true", help="stop the running cluster, start anew")
@@ -344,6 +348,7 @@ def _cluster_from_args(args: Any) -> Cluster:
             detach=args.detach,
             name=args.name,
             idle_timeout=args.idle_timeout,
+            preempt_signal=args.preempt_signal,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -9,18 +9,28 @@ step (steps lost: published steps after the checkpoint, target 0), the relaunch 
 new step (s), and the job's wall time over the same job's without a notice (the reference,
 measured in the same run).
 
-    python benchmarks/preemption.py [--steps 60] [--at 20] [--step-s 0.05]
+With ``--launcher slurm`` (root, Debian's slurm-wlm: ``make test`` installs it) the job runs
+on the tests' private Slurm of two namespaced hosts (``tests/slurm_local.py``), one rank on
+each, and the notice is ``scancel --signal=USR2``; the relaunch includes Slurm's requeue
+(``cred_expire``: 10 s there, 120 s by default).
+
+    python benchmarks/preemption.py [--steps 60] [--at 20] [--step-s 0.05] [--launcher slurm]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,17 +57,24 @@ def run(args: argparse.Namespace, root: Path, notice: bool) -> dict[str, float]:
     data = torch.utils.data.TensorDataset(torch.randn(2048, 8, generator=g),
                                           torch.randn(2048, 4, generator=g))  # fmt: skip
     began = time.monotonic()
+    where: dict[str, Any] = {"launcher": args.launcher}
+    if args.launcher == "slurm":
+        where.update(nodes=2, iface="axeth0")
     job = axon_nb.submit(model=make_model, data=data, loss=slow_loss(args.step_s),
                          steps=args.steps, batch_size=32, ranks=2, requeue=True,
-                         job_dir=root / ("notice" if notice else "reference"))  # fmt: skip
+                         job_dir=root / ("notice" if notice else "reference"),
+                         **where)  # fmt: skip
     figures: dict[str, float] = {}
     if notice:
         while len(job.history) < args.at:
             time.sleep(0.01)
         published = job.history[-1]["step"]
         sent = time.time()
-        supervisor = json.loads((job.dir / "state.json").read_text())["supervisor_pid"]
-        os.kill(int(supervisor), signal.SIGUSR2)
+        if args.launcher == "slurm":
+            subprocess.run(["scancel", "--signal=USR2", job.id], check=True, timeout=30)
+        else:
+            supervisor = json.loads((job.dir / "state.json").read_text())["supervisor_pid"]
+            os.kill(int(supervisor), signal.SIGUSR2)
         state = job.dir / "state.json"
         while not json.loads(state.read_text()).get("preemptions"):
             time.sleep(0.01)
@@ -72,13 +89,30 @@ def run(args: argparse.Namespace, root: Path, notice: bool) -> dict[str, float]:
     return figures
 
 
+@contextlib.contextmanager
+def _launcher(name: str) -> Iterator[None]:
+    """Nothing for torchrun; the tests' 2-node Slurm for slurm."""
+    if name != "slurm":
+        yield
+        return
+    tests = Path(__file__).resolve().parent.parent / "tests"
+    sys.path.insert(0, str(tests))
+    from netns_hosts import NetnsHosts
+    from slurm_local import LocalSlurm
+
+    os.environ["PYTHONPATH"] = str(Path(__file__).resolve().parent)  # (this file's functions)
+    with NetnsHosts(2) as hosts, LocalSlurm(hosts):
+        yield
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--at", type=int, default=20)
     parser.add_argument("--step-s", type=float, default=0.05)
+    parser.add_argument("--launcher", choices=("torchrun", "slurm"), default="torchrun")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="axon-preemption-") as tmp:
+    with _launcher(args.launcher), tempfile.TemporaryDirectory(prefix="axon-preemption-") as tmp:
         reference = run(args, Path(tmp), notice=False)
         noticed = run(args, Path(tmp), notice=True)
     lost = max(0, int(noticed["published_at_notice"]) - int(noticed["checkpoint_step"]))

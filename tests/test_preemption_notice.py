@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
 from models import make_data, make_mlp, mse, slow_mse
 
 import axon_nb
@@ -43,9 +45,11 @@ def test_a_detached_clusters_run_checkpoints_on_a_notice_to_one_rank(tmp_path: P
     assert max(abs(a - b) for a, b in zip(losses, reference.losses, strict=True)) < 1e-5
 
 
-def test_a_notice_signal_that_is_taken_is_refused() -> None:
+def test_a_notice_signal_that_is_taken_is_refused(shell: InteractiveShell) -> None:
     for bad, why in (("TERM", "axon_nb's stop of a rank"), ("USR1", "stack-dump"),
                      ("NOPE", "USR2 \\(the default\\)")):  # fmt: skip
         with pytest.raises(ValueError, match=f"preempt_signal='{bad}' cannot be the notice.*{why}"):
             axon_nb.Cluster(n=2, preempt_signal=bad)
     assert axon_nb.Cluster(n=2, preempt_signal="sigurg").options.preempt_signal == "URG"
+    with pytest.raises(UsageError, match="preempt_signal='INT' cannot be the notice"):
+        shell.run_line_magic("axon_cluster", "2 --preempt-signal INT")

@@ -67,25 +67,10 @@ def submit(
         print(job.id, job.state)
         result = job.wait()
     """
-    if launcher not in LAUNCHERS:
-        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
     slurm = dict(partition=partition, time_limit=time_limit, nodes=nodes,
                  gpus_per_node=gpus_per_node, account=account, iface=iface,
                  signal_delay_s=signal_delay_s)  # fmt: skip
-    if launcher == "slurm" and (why := missing_slurm()) is not None:
-        raise AxonError(why)
-    given = [k for k, v in slurm.items() if v is not None]
-    if launcher != "slurm" and given:
-        raise ValueError(f"{', '.join(given)} are Slurm options: use launcher='slurm'")
-    check_notice_signal(preempt_signal, cluster=False)
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
-    if launcher == "slurm" and (isinstance(nodes, bool) or not isinstance(nodes, int | None)
-                                or ranks % (nodes or 1)):  # fmt: skip
-        raise ValueError(
-            f"nodes={nodes!r} must be a positive integer that divides ranks={ranks} (each "
-            "node runs ranks // nodes ranks)"
-        )
+    _check_arguments(launcher, ranks, preempt_signal, slurm)
     spec = make_spec(DDP, model=model, data=data, **options)
     check_world(spec, ranks)
     payload = _pickled(spec)
@@ -126,6 +111,27 @@ def submit(
     write_atomically(directory / "job.json", json.dumps(job, indent=1).encode())
     _index(job_id, directory)
     return Job(directory, supervisor_pid=supervisor_pid)
+
+
+def _check_arguments(launcher: str, ranks: int, preempt_signal: str, slurm: dict[str, Any]) -> None:
+    """Refuse what cannot be submitted, before anything is written."""
+    if launcher not in LAUNCHERS:
+        raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if launcher == "slurm" and (why := missing_slurm()) is not None:
+        raise AxonError(why)
+    given = [k for k, v in slurm.items() if v is not None]
+    if launcher != "slurm" and given:
+        raise ValueError(f"{', '.join(given)} are Slurm options: use launcher='slurm'")
+    check_notice_signal(preempt_signal, cluster=False)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
+    nodes = slurm["nodes"]
+    if launcher == "slurm" and (isinstance(nodes, bool) or not isinstance(nodes, int | None)
+                                or ranks % (nodes or 1)):  # fmt: skip
+        raise ValueError(
+            f"nodes={nodes!r} must be a positive integer that divides ranks={ranks} (each "
+            "node runs ranks // nodes ranks)"
+        )
 
 
 def _write_run_sh(directory: Path, command: list[str], again: str) -> None:
