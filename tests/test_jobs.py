@@ -153,7 +153,7 @@ def test_a_preempted_job_without_requeue_stops_and_run_sh_resumes_it(tmp_path: P
 
 
 def test_the_notice_signal_is_checked(tmp_path: Path) -> None:
-    for bad in ("USR1", "INT", "TERM", "NOPE"):
+    for bad in ("USR1", "INT", "TERM", "CHLD", "NOPE"):
         with pytest.raises(ValueError, match=f"preempt_signal='{bad}' cannot be the notice"):
             axon_nb.submit(**ARGS, ranks=2, preempt_signal=bad, job_dir=tmp_path / "x")
     assert not (tmp_path / "x").exists()

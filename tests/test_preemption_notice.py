@@ -47,6 +47,7 @@ def test_a_detached_clusters_run_checkpoints_on_a_notice_to_one_rank(tmp_path: P
 
 def test_a_notice_signal_that_is_taken_is_refused(shell: InteractiveShell) -> None:
     for bad, why in (("TERM", "axon_nb's stop of a rank"), ("USR1", "stack-dump"),
+                     ("CHLD", "USR2 \\(the default\\) or one of URG"),
                      ("NOPE", "USR2 \\(the default\\)")):  # fmt: skip
         with pytest.raises(ValueError, match=f"preempt_signal='{bad}' cannot be the notice.*{why}"):
             axon_nb.Cluster(n=2, preempt_signal=bad)

@@ -137,7 +137,7 @@ def test_the_time_limits_notice_checkpoints_and_sbatch_by_hand_resumes(
     the limits every 30 s or so); without requeue the job ends preempted, checkpointed, and
     ``sh run.sh --time=10`` (``sbatch --time=10 job.sbatch``) submits it again under a new id,
     to the uninterrupted run's result."""
-    steps = 600  # (50 s or more of steps: more than the first run gets before its notice)
+    steps = 1000  # (50 s or more of sleep alone: more than the first run gets before the notice)
     args = {**ARGS, "loss": slow_mse(0.05), "steps": steps}
     job = axon_nb.submit(**args, **SLURM, time_limit="1", signal_delay_s=50,
                          job_dir=tmp_path / "limit")  # fmt: skip

@@ -169,12 +169,14 @@ SLURM_JOB = """#!/bin/sh
 #SBATCH --job-name=axon-{cluster_id}
 #SBATCH --ntasks={n}
 #SBATCH --output={log_dir}/axon-slurm-%j.out
+#SBATCH --signal={notice}@90
 trap '' {notice}
 exec {mpiexec} -disable-auto-cleanup -n {n} {program_and_args}
 """
 """The engines' batch job: hydra's ``mpiexec`` inside the allocation starts a proxy on each of
 its nodes with ``srun``, and the ranks under them (``{program_and_args}``: the engine command,
-which ipyparallel fills in)."""
+which ipyparallel fills in). The preemption notice comes 90 s before the time limit; hydra's
+processes ignore it (``cluster/slurm_notice.py``), the ranks' runs take it."""
 
 
 def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: str) -> None:
@@ -191,7 +193,9 @@ def _configure_slurm(cluster: ipp.Cluster, options: ClusterOptions, log_path: st
     if os.environ.get("SLURM_JOB_ID"):
         cluster.engine_launcher_class = "mpi"
         launcher = cluster.config.MPIEngineSetLauncher
-        launcher.mpi_cmd = [mpiexec]
+        # (under `trap ''`: in an srun step, Slurm's notice reaches mpiexec too)
+        trapped = f"trap '' {options.preempt_signal}; " + 'exec "$0" "$@"'
+        launcher.mpi_cmd = ["/bin/sh", "-c", trapped, mpiexec]
         launcher.mpi_args = ["-disable-auto-cleanup"]
         launcher.engine_cmd = engine_cmd()
         launcher.engine_args = list(ENGINE_ARGS)

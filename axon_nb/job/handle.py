@@ -119,7 +119,9 @@ class Job:
         return result
 
     def cancel(self) -> None:
-        """End the job (its ranks stop where they are); its state becomes ``cancelled``."""
+        """End the job; its state becomes ``cancelled``. A torchrun job's ranks stop where
+        they are; a Slurm job's take ``scancel``'s SIGTERM as a notice and checkpoint first
+        (within Slurm's KillWait)."""
         if self.on_slurm:
             return cancel_slurm_job(self.dir, self.id)
         state = read_state(self.dir)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,8 +83,10 @@ def submit_to_slurm(
         job_name=name, nodes=nodes, ntasks_per_node=ranks // nodes, partition=partition,
         gpus_per_node=gpus_per_node, account=account, cpus_per_task=cpus_per_task,
         # a resubmission by hand (`sbatch job.sbatch`) gets a new id: give it the task
+        # (and a requeue marker a past run left, its batch script ended before its teardown)
         setup=[f"f={shlex.quote(str(folder))}/${{SLURM_JOB_ID}}_submitted.pkl; "
-               f'[ -e "$f" ] || cp {shlex.quote(str(task))} "$f"'],
+               f'[ -e "$f" ] || cp {shlex.quote(str(task))} "$f"',
+               f"rm -f {shlex.quote(str(requeue_marker(job_dir)))}"],
         # once every task has ended: requeue when rank 0 asked for it (a notice)
         teardown=[f"if [ -e {shlex.quote(str(requeue_marker(job_dir)))} ]; then "
                   f"rm -f {shlex.quote(str(requeue_marker(job_dir)))}; "
@@ -103,9 +106,29 @@ def submit_to_slurm(
     return str(submitted.job_id)
 
 
+UNREACHABLE = "UNREACHABLE"
+"""What :func:`slurm_state` says when Slurm could not be asked (a timeout, a busy slurmctld):
+the job's own state stands, it is no sign of an end."""
+
+ASK_EVERY_S = 2.0
+"""Slurm is asked about a job at most this often (a dashboard and ``wait`` look many times a
+second; a shared slurmctld must not get a command for each look)."""
+
+_asked: dict[str, tuple[float, str | None]] = {}
+
+
 def slurm_state(job_id: str) -> str | None:
     """Slurm's state of ``job_id`` (``PENDING``, ``RUNNING``, ``COMPLETED``, ``CANCELLED``,
-    ...), or None when Slurm no longer knows it (or cannot be asked)."""
+    ...), None when Slurm no longer knows it, or :data:`UNREACHABLE`."""
+    when, said = _asked.get(job_id, (-ASK_EVERY_S, UNREACHABLE))
+    if time.monotonic() - when < ASK_EVERY_S:
+        return said
+    said = _ask(job_id)
+    _asked[job_id] = (time.monotonic(), said)
+    return said
+
+
+def _ask(job_id: str) -> str | None:
     try:
         queued = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"],
                                 capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -114,11 +137,11 @@ def slurm_state(job_id: str) -> str | None:
         shown = subprocess.run(["scontrol", "-o", "show", "job", job_id],
                                capture_output=True, text=True, timeout=30)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
-        return None
+        return UNREACHABLE
     for field in shown.stdout.split():
         if field.startswith("JobState="):
             return field.removeprefix("JobState=")
-    return None
+    return None if "Invalid job id" in shown.stderr else UNREACHABLE
 
 
 def slurm_job_dir(job_id: str) -> str | None:

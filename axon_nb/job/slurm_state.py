@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from axon_nb.errors import AxonError
-from axon_nb.job.slurm import scancel, slurm_state
-from axon_nb.spec.job_files import FINAL_STATES, read_state, write_state
+from axon_nb.job.slurm import UNREACHABLE, scancel, slurm_state
+from axon_nb.spec.job_files import FINAL_STATES, mark_state, read_state, write_state
 
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "SUSPENDED",
           "RESV_DEL_HOLD")  # fmt: skip
@@ -35,6 +35,8 @@ def slurm_job_state(job_dir: Path, job_id: str, *, requeue: bool) -> str:
     if own in FINAL_STATES:
         return own
     slurm = slurm_state(job_id)
+    if slurm == UNREACHABLE:
+        return own
     if slurm is None:  # (Slurm forgot it, MinJobAge after its end, with no word from it)
         fresh = time.time() - float(state.get("updated", 0)) < 60
         return own if fresh else "failed"
@@ -49,14 +51,18 @@ def slurm_job_state(job_dir: Path, job_id: str, *, requeue: bool) -> str:
 
 
 def cancel_slurm_job(job_dir: Path, job_id: str) -> None:
-    """``scancel`` the job and wait until Slurm ended it; its state becomes ``cancelled``."""
-    state = read_state(job_dir)
-    if str(state.get("state")) in FINAL_STATES:
+    """``scancel`` the job and wait until Slurm ended it; its state becomes ``cancelled``.
+    Its ranks take the SIGTERM as a notice and checkpoint first (within Slurm's KillWait)."""
+    if str(read_state(job_dir).get("state")) in FINAL_STATES:
         return
-    write_state(job_dir, str(state.get("state", "submitted")), cancel_requested=True)
-    scancel(job_id)
+    mark_state(job_dir, cancel_requested=True)  # (rank 0 then writes "cancelled")
+    try:
+        scancel(job_id)
+    except BaseException:
+        mark_state(job_dir, cancel_requested=False)  # (a later notice is no cancel)
+        raise
     deadline = time.monotonic() + CANCEL_S
-    while slurm_state(job_id) in (*QUEUED, *RUNNING):
+    while slurm_state(job_id) in (*QUEUED, *RUNNING, UNREACHABLE):
         if time.monotonic() > deadline:
             raise AxonError(f"Slurm did not end job {job_id} within {CANCEL_S:g} s of cancel()")
         time.sleep(0.2)

@@ -22,9 +22,9 @@ from typing import Any
 
 import cloudpickle
 
-from axon_nb.cluster.detached import private_runtime_dir
 from axon_nb.errors import AxonError
 from axon_nb.job.handle import Job
+from axon_nb.job.job_index import index_job
 from axon_nb.job.slurm import missing_slurm, submit_to_slurm
 from axon_nb.spec.job_files import read_job, write_state
 from axon_nb.spec.kept_runs import run_dir, write_atomically
@@ -92,12 +92,16 @@ def submit(
     write_state(directory, "submitted")
     if launcher == "slurm":
         _write_sbatch_run_sh(directory)
-        job_id = submit_to_slurm(
-            directory, name=spec.name, ranks=ranks, nodes=nodes or 1, requeue=requeue,
-            preempt_signal=preempt_signal, partition=partition, time_limit=time_limit,
-            gpus_per_node=gpus_per_node, account=account,
-            signal_delay_s=90 if signal_delay_s is None else signal_delay_s,
-        )  # fmt: skip
+        try:
+            job_id = submit_to_slurm(
+                directory, name=spec.name, ranks=ranks, nodes=nodes or 1, requeue=requeue,
+                preempt_signal=preempt_signal, partition=partition, time_limit=time_limit,
+                gpus_per_node=gpus_per_node, account=account,
+                signal_delay_s=90 if signal_delay_s is None else signal_delay_s,
+            )  # fmt: skip
+        except BaseException:
+            (directory / "job.json").unlink(missing_ok=True)  # (no job: the dir may be reused)
+            raise
         supervisor_pid = None
     else:
         command = [sys.executable, "-m", "axon_nb.job", str(directory)]
@@ -109,7 +113,7 @@ def submit(
         job_id, supervisor_pid = f"local-{supervisor.pid}", supervisor.pid
     job["id"] = job_id  # (the supervisor or the tasks have read what they need)
     write_atomically(directory / "job.json", json.dumps(job, indent=1).encode())
-    _index(job_id, directory)
+    index_job(job_id, directory)
     return Job(directory, supervisor_pid=supervisor_pid)
 
 
@@ -126,8 +130,8 @@ def _check_arguments(launcher: str, ranks: int, preempt_signal: str, slurm: dict
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
     nodes = slurm["nodes"]
-    if launcher == "slurm" and (isinstance(nodes, bool) or not isinstance(nodes, int | None)
-                                or ranks % (nodes or 1)):  # fmt: skip
+    bad_nodes = isinstance(nodes, bool) or not isinstance(nodes, int | None) or (nodes or 1) < 1
+    if launcher == "slurm" and (bad_nodes or ranks % (nodes or 1)):
         raise ValueError(
             f"nodes={nodes!r} must be a positive integer that divides ranks={ranks} (each "
             "node runs ranks // nodes ranks)"
@@ -183,9 +187,3 @@ def _new_job_dir(job_dir: str | os.PathLike[str] | None, name: str) -> Path:
     directory.mkdir(mode=0o700, exist_ok=True)
     directory.chmod(0o700)
     return directory
-
-
-def _index(job_id: str, directory: Path) -> None:
-    """Note the job in this user's list (``axon_nb.jobs()``)."""
-    index = private_runtime_dir("axon-jobs")
-    write_atomically(index / f"{job_id}.json", json.dumps({"dir": str(directory)}).encode())

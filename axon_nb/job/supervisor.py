@@ -69,7 +69,10 @@ def note_resubmitted(argv: list[str]) -> int:
     if len(argv) != 2 or not read_job(argv[0]) or not argv[1].isdigit():
         print("usage: python -m axon_nb.job --submitted JOB_DIR SLURM_JOB_ID", file=sys.stderr)
         return 2
+    from axon_nb.job.job_index import index_job
+
     write_state(argv[0], "submitted", slurm_job_id=argv[1], cancel_requested=False)
+    index_job(argv[1], Path(argv[0]).resolve())  # (axon_nb.job(id) finds it by its new id)
     print(f"Submitted batch job {argv[1]}")
     return 0
 

@@ -33,27 +33,31 @@ from axon_nb.spec.job_files import (
     requeue_marker,
     write_state,
 )
+from axon_nb.spec.notice_signal import notice_signum
 
 
 def run_task(job_dir: str) -> int:
     """Run this task's rank of the job in ``job_dir``; its exit code (0, or
     ``PREEMPTED_EXIT`` after a notice)."""
-    # submitit's handlers go: a notice before training began has nothing to save (USR2 is
-    # ignored), SIGTERM ends the task (a cancel), until the rank's own handlers take over
+    # submitit's handlers go: a notice before training began has nothing to save (it is
+    # ignored, as submitit's USR2), SIGTERM ends the task (a cancel), until the rank's own
+    # handlers take over
+    job = read_job(job_dir)
     for signum in (signal.SIGTERM, signal.SIGCONT):
         signal.signal(signum, signal.SIG_DFL)
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
-    job = read_job(job_dir)
+    for signum in {signal.SIGUSR2, notice_signum(str(job.get("preempt_signal", "USR2")))}:
+        signal.signal(signum, signal.SIG_IGN)
     _describe_world(job)
     rank, job_id = int(os.environ["RANK"]), os.environ["SLURM_JOB_ID"]
-    if rank == 0:
+    if rank == 0:  # (the batch script's setup removed a requeue marker left by a past run)
         (Path(job_dir) / "preempted.json").unlink(missing_ok=True)
         write_state(job_dir, "running", slurm_job_id=job_id,
                     restarts=int(os.environ.get("SLURM_RESTART_COUNT", "0")))  # fmt: skip
     try:
         code = job_rank.main(job_dir, batch=True)
-    except BaseException as e:
-        write_state(job_dir, "failed", error=f"rank {rank}: {type(e).__name__}: {e}")
+    except BaseException as e:  # (rank 0 alone writes the state; the others say it in output)
+        if rank == 0:
+            write_state(job_dir, "failed", error=f"rank {rank}: {type(e).__name__}: {e}")
         raise
     if rank == 0:
         _record_end(job_dir, job, job_id, code)

@@ -64,6 +64,13 @@ def read_state(job_dir: str | os.PathLike[str]) -> dict[str, Any]:
     return read_json(Path(job_dir) / "state.json")
 
 
+def mark_state(job_dir: str | os.PathLike[str], **fields: Any) -> None:
+    """Set fields of the job's state, keeping its state as it is now."""
+    path = Path(job_dir) / "state.json"
+    merged = {**read_json(path), **fields, "updated": time.time()}
+    write_atomically(path, json.dumps(merged).encode())
+
+
 def write_state(job_dir: str | os.PathLike[str], state: str, **fields: Any) -> None:
     """Set the job's state (and other fields), keeping the fields not given."""
     assert state in STATES, state

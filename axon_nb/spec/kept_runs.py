@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,8 +49,10 @@ def output_path(root: str | os.PathLike[str], rank: int) -> Path:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` whole or not at all (a reader never sees half of it)."""
-    part = path.with_name(path.name + ".part")
+    """Write ``data`` to ``path`` whole or not at all (a reader never sees half of it; of
+    writers at once, the last one's wins whole: each writes its own part file)."""
+    writer = f"{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}"
+    part = path.with_name(f"{path.name}.{writer}.part")
     with open(part, "wb") as f:
         f.write(data)
     os.replace(part, path)

@@ -40,6 +40,8 @@ from typing import Any, cast
 
 from axon_nb.rank.world.forked_engine import ENGINE_MODULE
 from axon_nb.rank.world.launch import kill_tree, set_death_signal
+from axon_nb.spec.notice_signal import ENV as NOTICE_ENV
+from axon_nb.spec.notice_signal import notice_signum
 from axon_nb.spec.warm_engines import engines_dir, socket_path
 
 PARENT_POLL_S = 0.5
@@ -293,6 +295,8 @@ class _Server:
                 signal.signal(signum, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # as rank/world/launch.py leaves it
+            for notice in {signal.SIGUSR2, notice_signum(os.environ.get(NOTICE_ENV, "USR2"))}:
+                signal.signal(notice, signal.SIG_IGN)  # (likewise, until a run takes it)
             self.selector.close()
             for other, _ in self.engines.values():
                 other.close()

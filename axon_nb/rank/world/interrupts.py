@@ -77,6 +77,8 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.requested = False
+        """A stop was asked for: a first SIGINT, or another reason (a preemption notice)."""
+        self._interrupted = False  # (a SIGINT came: the next one interrupts)
         self._saved: Any = None
         self._guard = _Guard()  # for the second and later ones
 
@@ -92,7 +94,7 @@ class StopSignal:
             self._saved = None
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if not self.requested:
-            self.requested = True
+        if not self._interrupted:  # (a stop asked for otherwise does not count as the first)
+            self._interrupted = self.requested = True
             return
         self._guard.handle(signum, frame)
