@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from axon_nb.strategies import (
         DDP,
         FSDP,
+        DiLoCo,
         ExpertParallel,
         Hybrid,
         LocalSGD,
@@ -60,6 +61,7 @@ __all__ = [
     "ClusterOptions",
     "ClusterStartError",
     "ColumnParallelLinear",
+    "DiLoCo",
     "ExpertParallel",
     "Hybrid",
     "LocalSGD",
@@ -115,6 +117,7 @@ _LAZY = {
     **dict.fromkeys(
         [
             "DDP",
+            "DiLoCo",
             "ExpertParallel",
             "FSDP",
             "Hybrid",

@@ -28,6 +28,8 @@ expert parallel                all-to-all of 8 bytes per expert, then of each (t
 pipeline                       send and receive each boundary activation and its gradient
                                (none behind frozen layers only), per micro-batch
 LocalSGD (after warm-up)       all-reduce of ``T b`` every ``period`` steps, no gradients
+DiLoCo                         all-reduce of ``T`` fp32 (bf16: 2 bytes) every
+                               ``inner_steps`` steps; int8: all-gather of ``T`` bytes
 every step                     16 bytes: the loop's agreement on loss and stop
 =============================  ==========================================================
 
@@ -42,6 +44,7 @@ from collections import defaultdict
 
 from axon_nb.estimate.profile import ModelProfile
 from axon_nb.estimate.rank_layout import RankLayout
+from axon_nb.spec.parallel_config import DiLoCoConfig
 
 AGREEMENT_BYTES = 16
 """The training loop's per-step all-reduce (loss, stop flag; ``rank/training/agreement.py``)."""
@@ -84,6 +87,24 @@ def comm_by_axis(
     return {key: value for key, value in out.items() if value}
 
 
+def _diloco(
+    out: dict[tuple[str, str], float],
+    config: DiLoCoConfig,
+    trained: float,
+    step: int | None,
+) -> None:
+    """DiLoCo's outer step every ``inner_steps`` steps (the first after step 0): an all-reduce
+    of the outer gradients (fp32 or bf16), or with int8 an all-gather of them."""
+    h = config.inner_steps
+    if step is not None and step % h != 0:
+        return
+    share = 1 / h if step is None else 1
+    if config.compress == "int8":
+        out["dp", "all_gather"] += (trained + 4) * share  # (each rank's int8 piece, its scale)
+    else:
+        out["dp", "all_reduce"] += trained * (2 if config.compress == "bf16" else 4) * share
+
+
 def _data_parallel(
     out: dict[tuple[str, str], float],
     layout: RankLayout,
@@ -93,7 +114,9 @@ def _data_parallel(
 ) -> None:
     """``params``: this rank's parameters, and the trainable ones among them."""
     (local, trained), kind, dp = params, layout.kind, layout.dims.dp
-    if kind in ("ddp", "zero1"):
+    if kind == "ddp" and layout.config.diloco is not None:
+        _diloco(out, layout.config.diloco, trained, step)
+    elif kind in ("ddp", "zero1"):
         sgd = layout.config.local_sgd
         ddp = layout.config.ddp
         hook = ddp.comm_hook if ddp is not None else None

@@ -18,11 +18,14 @@ def apply_ddp(
     config: DDPConfig,
     local_sgd: LocalSGDConfig | None = None,
     ignored: list[str] | None = None,
+    *,
+    local_steps: bool = False,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DDP over ``group`` (the data-parallel ranks) with ``config``'s hook,
     or with ``local_sgd``: PyTorch's post-local SGD hook, which all-reduces gradients for the
     warm-up steps and none after (the optimizer then averages parameters, see
-    :func:`local_sgd_optimizer`).
+    :func:`local_sgd_optimizer`). ``local_steps``: no gradient all-reduce at all (DiLoCo's
+    inner steps; its optimizer talks, ``parallel/diloco.py``).
 
     The hook is always a Python one, even for plain fp32: its all-reduce goes through
     ``torch.distributed.all_reduce``, where the metrics probe measures bytes and time.
@@ -38,13 +41,13 @@ def apply_ddp(
         static_graph=config.static_graph,
         gradient_as_bucket_view=config.gradient_as_bucket_view,
     )
-    if local_sgd is not None:
+    if local_sgd is not None or local_steps:
         from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as local
 
         state = local.PostLocalSGDState(
             process_group=group,
             subgroup=None,
-            start_localSGD_iter=local_sgd.warmup_steps,
+            start_localSGD_iter=local_sgd.warmup_steps if local_sgd is not None else 0,
             post_local_gradient_allreduce=False,  # local steps: no gradient all-reduce at all
         )
         ddp.register_comm_hook(state, local.post_localSGD_hook)

@@ -34,13 +34,20 @@ from torch import nn
 from axon_nb.parallel import pipeline, zero1
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
 from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
+from axon_nb.parallel.diloco import DiLoCoOptimizer
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
 from axon_nb.parallel.optimizer_factory import OptimizerFactory
 from axon_nb.parallel.param_groups import GroupPlan, check_built
 from axon_nb.parallel.pipeline import PipelinedModel
 from axon_nb.parallel.zero2 import GradShardedModel
-from axon_nb.spec.parallel_config import DDPConfig, FSDPConfig, LocalSGDConfig, ParallelConfig
+from axon_nb.spec.parallel_config import (
+    DDPConfig,
+    DiLoCoConfig,
+    FSDPConfig,
+    LocalSGDConfig,
+    ParallelConfig,
+)
 from axon_nb.spec.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
@@ -165,19 +172,22 @@ class Layout:
 @dataclass(frozen=True)
 class DDPLayout(Layout):
     """``data_parallel="ddp"``: every rank holds the whole model in DDP, which all-reduces
-    gradients in buckets (with ``local_sgd``: averages parameters every few steps instead)."""
+    gradients in buckets (with ``local_sgd``: averages parameters every few steps instead;
+    with ``diloco``: DiLoCo's outer steps every few steps instead)."""
 
     kind: ClassVar[str] = "ddp"
     ddp: DDPConfig
     local_sgd: LocalSGDConfig | None = None
+    diloco: DiLoCoConfig | None = None
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> Layout:
-        return cls(config.ddp or DDPConfig(), config.local_sgd)
+        return cls(config.ddp or DDPConfig(), config.local_sgd, config.diloco)
 
     def wrap(self, part: nn.Module, site: Site) -> nn.Module:
         ignored = [n for n, p in part.named_parameters() if id(p) in site.experts]
-        return apply_ddp(part, site.dp_group, site.device, self.ddp, self.local_sgd, ignored)
+        return apply_ddp(part, site.dp_group, site.device, self.ddp, self.local_sgd, ignored,
+                         local_steps=self.diloco is not None)  # fmt: skip
 
     def no_sync(self, parallel: Parallelized) -> contextlib.AbstractContextManager[None]:
         return cast("DistributedDataParallel", parallel.model).no_sync()
@@ -186,6 +196,8 @@ class DDPLayout(Layout):
         self, parallel: Parallelized, factory: OptimizerFactory
     ) -> torch.optim.Optimizer:
         optimizer = super().build_optimizer(parallel, factory)
+        if self.diloco is not None:
+            return DiLoCoOptimizer(optimizer, parallel.dp_group, self.diloco)
         if self.local_sgd is None:
             return optimizer
         return local_sgd_optimizer(optimizer, parallel.dp_group, self.local_sgd)

@@ -217,6 +217,41 @@ class LocalSGDConfig:
         return errors
 
 
+COMPRESSIONS = (None, "bf16", "int8")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DiLoCoConfig:
+    """DiLoCo on DDP: ``inner_steps`` steps of the inner optimizer on each rank's own
+    gradients, then the outer gradient (the mean over ranks of global minus local parameters)
+    applied by an outer SGD; see ``parallel/diloco.py``."""
+
+    inner_steps: int = 100
+    """Inner steps between outer steps (the paper's H)."""
+    outer_lr: float = 0.7
+    """The outer SGD's learning rate."""
+    outer_momentum: float = 0.9
+    """The outer SGD's momentum."""
+    nesterov: bool = True
+    """Nesterov momentum for the outer SGD."""
+    compress: str | None = None
+    """How the outer gradients travel: None (fp32), ``"bf16"`` or ``"int8"``."""
+
+    def problems(self) -> list[str]:
+        errors = []
+        if not positive(self.inner_steps):
+            errors.append(f"inner_steps must be an integer >= 1 (steps), got {self.inner_steps!r}")
+        if not _number(self.outer_lr) or self.outer_lr <= 0:
+            errors.append(f"outer_lr must be a number > 0, got {self.outer_lr!r}")
+        if not _number(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
+            errors.append(f"outer_momentum must be in [0, 1), got {self.outer_momentum!r}")
+        if not isinstance(self.nesterov, bool):
+            errors.append(f"nesterov must be True or False, got {self.nesterov!r}")
+        if self.compress not in COMPRESSIONS:
+            errors.append(f"compress must be None, 'bf16' or 'int8', got {self.compress!r}")
+        return errors
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """Everything ``parallelize`` applies besides the degrees (see ``parallelize.py``)."""
@@ -239,6 +274,8 @@ class ParallelConfig:
     """Recompute every n-th block's activations in backward; 0: off."""
     local_sgd: LocalSGDConfig | None = None
     """With ``data_parallel="ddp"``: post-local SGD instead of an all-reduce every step."""
+    diloco: DiLoCoConfig | None = None
+    """With ``data_parallel="ddp"``: DiLoCo's outer steps instead of an all-reduce every step."""
 
 
 def _number(value: Any) -> bool:

@@ -7,6 +7,7 @@ from typing import Any
 
 from axon_nb.strategies.base import SingleDevice, Strategy
 from axon_nb.strategies.ddp import DDP
+from axon_nb.strategies.diloco import DiLoCo
 from axon_nb.strategies.expert import ExpertParallel
 from axon_nb.strategies.fsdp import FSDP
 from axon_nb.strategies.hybrid import Hybrid
@@ -24,6 +25,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "tensor": TensorParallel,
     "hybrid": Hybrid,
     "local_sgd": LocalSGD,
+    "diloco": DiLoCo,
     "single_device": SingleDevice,
 }
 """Strategies by name, for ``strategy="ddp"``."""
@@ -32,6 +34,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "STRATEGIES",
+    "DiLoCo",
     "ExpertParallel",
     "Hybrid",
     "LocalSGD",
