@@ -133,17 +133,18 @@ def test_a_higher_partitions_job_preempts_with_sigterm_and_slurm_requeues_it(
 def test_the_time_limits_notice_checkpoints_and_sbatch_by_hand_resumes(
     slurm: LocalSlurm, tmp_path: Path
 ) -> None:
-    """``--signal=USR2@50`` with a one-minute limit: the notice comes 10 s in (Slurm checks
-    the limits every 30 s or so); without requeue the job ends preempted, checkpointed, and
-    ``sh run.sh --time=10`` (``sbatch --time=10 job.sbatch``) submits it again under a new id,
-    to the uninterrupted run's result."""
-    steps = 1000  # (50 s or more of sleep alone: more than the first run gets before the notice)
+    """``--signal=USR2@30`` with a one-minute limit: the notice is due 30 s in, and Slurm,
+    which checks its limits every 30 s, sends it before the limit ends (due earlier, it came
+    under load before the job's step had started, and was lost). Without requeue the job ends
+    preempted, checkpointed, and ``sh run.sh --time=10`` (``sbatch --time=10 job.sbatch``)
+    submits it again under a new id, to the uninterrupted run's result."""
+    steps = 1400  # (70 s of sleep alone: more than the first run gets)
     args = {**ARGS, "loss": slow_mse(0.05), "steps": steps}
-    job = axon_nb.submit(**args, **SLURM, time_limit="1", signal_delay_s=50,
+    job = axon_nb.submit(**args, **SLURM, time_limit="1", signal_delay_s=30,
                          job_dir=tmp_path / "limit")  # fmt: skip
     first = job.id
     with pytest.raises(AxonError, match=r"was preempted and checkpointed .*run\.sh"):
-        job.wait(timeout=120)
+        job.wait(timeout=150)
     state = json.loads((job.dir / "state.json").read_text())
     [preempted] = state["preemptions"]
     assert job.state == "preempted" and preempted["signal"] == "SIGUSR2"

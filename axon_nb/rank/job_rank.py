@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from axon_nb.rank import runtime
-from axon_nb.rank.preemption import PREEMPTED_EXIT, Preemption, resume_from_checkpoint
+from axon_nb.rank.preemption import (
+    PREEMPTED_EXIT,
+    Preemption,
+    hold_notices,
+    resume_from_checkpoint,
+)
 from axon_nb.rank.world import kept_runs
 from axon_nb.spec.job_files import checkpoints_dir, read_job
 from axon_nb.spec.kept_runs import write_atomically
@@ -33,10 +38,11 @@ from axon_nb.spec.train_spec import TrainSpec
 def main(job_dir: str, *, batch: bool = False) -> int:
     """Run this rank of the job in ``job_dir``; 0, or ``PREEMPTED_EXIT`` after a notice.
     ``batch``: a Slurm batch job, where SIGTERM (preemption) is a notice too."""
+    job = read_job(job_dir)
+    hold_notices(str(job.get("preempt_signal", "USR2")))  # (one during the setup is kept)
     import torch
     import torch.distributed as dist
 
-    job = read_job(job_dir)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     gpu = torch.cuda.is_available() and torch.cuda.device_count() >= local_world

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 from axon_nb.rank import job_rank
+from axon_nb.rank.preemption import hold_notices
 from axon_nb.spec.job_files import (
     PREEMPTED_EXIT,
     read_job,
@@ -33,20 +34,19 @@ from axon_nb.spec.job_files import (
     requeue_marker,
     write_state,
 )
-from axon_nb.spec.notice_signal import notice_signum
 
 
 def run_task(job_dir: str) -> int:
     """Run this task's rank of the job in ``job_dir``; its exit code (0, or
     ``PREEMPTED_EXIT`` after a notice)."""
-    # submitit's handlers go: a notice before training began has nothing to save (it is
-    # ignored, as submitit's USR2), SIGTERM ends the task (a cancel), until the rank's own
-    # handlers take over
+    # submitit's handlers go (SIGUSR2 ignored if it is not the notice); a notice before
+    # training began is kept for the run (rank/job_rank.py holds it), SIGTERM ends the task
+    # until then (a cancel)
     job = read_job(job_dir)
     for signum in (signal.SIGTERM, signal.SIGCONT):
         signal.signal(signum, signal.SIG_DFL)
-    for signum in {signal.SIGUSR2, notice_signum(str(job.get("preempt_signal", "USR2")))}:
-        signal.signal(signum, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    hold_notices(str(job.get("preempt_signal", "USR2")))
     _describe_world(job)
     rank, job_id = int(os.environ["RANK"]), os.environ["SLURM_JOB_ID"]
     if rank == 0:  # (the batch script's setup removed a requeue marker left by a past run)

@@ -33,6 +33,22 @@ from axon_nb.spec.train_spec import TrainSpec
 __all__ = ["PREEMPTED_EXIT", "Preemption", "resume_from_checkpoint"]
 
 
+_early: dict[str, tuple[float, int]] = {}
+
+
+def hold_notices(signal_name: str, *, sigterm: bool = False) -> None:
+    """(A job's rank, from its start) a notice that comes before training begins is kept, not
+    lost: the :class:`Preemption` entered later stops the run at its first step, with a
+    checkpoint. Main thread only."""
+
+    def keep(signum: int, frame: FrameType | None) -> None:
+        _early.setdefault("notice", (time.time(), signum))
+
+    signal.signal(notice_signum(signal_name), keep)
+    if sigterm:
+        signal.signal(signal.SIGTERM, keep)
+
+
 class Preemption:
     """While active: the notice signal asks every rank to stop at the next step boundary
     (SIGINT still does, as on a cluster). ``sigterm``: SIGTERM is a notice too (a Slurm batch
@@ -52,6 +68,10 @@ class Preemption:
         self.stop.__enter__()
         if threading.current_thread() is threading.main_thread():  # (signals go there only)
             self._saved = [signal.signal(s, self._notice) for s in self.signums]
+        early = _early.pop("notice", None)  # (one that came before: hold_notices)
+        if early is not None:
+            self.arrived, self.signum = early
+            self.stop.requested = True
         return self
 
     def __exit__(self, *exc: object) -> None:
