@@ -117,14 +117,17 @@ second; a shared slurmctld must not get a command for each look)."""
 _asked: dict[str, tuple[float, str | None]] = {}
 
 
-def slurm_state(job_id: str) -> str | None:
+def slurm_state(job_id: str, *, newer_than: float = 0.0) -> str | None:
     """Slurm's state of ``job_id`` (``PENDING``, ``RUNNING``, ``COMPLETED``, ``CANCELLED``,
-    ...), None when Slurm no longer knows it, or :data:`UNREACHABLE`."""
-    when, said = _asked.get(job_id, (-ASK_EVERY_S, UNREACHABLE))
-    if time.monotonic() - when < ASK_EVERY_S:
+    ...), None when Slurm no longer knows it, or :data:`UNREACHABLE`. An answer is reused for
+    ``ASK_EVERY_S``, unless it is older than ``newer_than`` (``time.time()``: the job's own
+    word since)."""
+    when, said = _asked.get(job_id, (0.0, UNREACHABLE))
+    now = time.time()
+    if when >= newer_than and now - when < ASK_EVERY_S:
         return said
     said = _ask(job_id)
-    _asked[job_id] = (time.monotonic(), said)
+    _asked[job_id] = (now, said)
     return said
 
 

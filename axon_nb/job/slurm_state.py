@@ -34,7 +34,7 @@ def slurm_job_state(job_dir: Path, job_id: str, *, requeue: bool) -> str:
     own = str(state.get("state", "submitted"))
     if own in FINAL_STATES:
         return own
-    slurm = slurm_state(job_id)
+    slurm = slurm_state(job_id, newer_than=float(state.get("updated", 0)))
     if slurm == UNREACHABLE:
         return own
     if slurm is None:  # (Slurm forgot it, MinJobAge after its end, with no word from it)

@@ -34,6 +34,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # PyTorch's PostLocalSGDOptimizer)
         self.optim = optim
         self.param_groups = optim.param_groups
+        self.state = optim.state  # (the inner optimizer's; bound again after a load)
         self.group = group
         self.config = config
         self.steps = 0
@@ -44,17 +45,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             nesterov=config.nesterov and config.outer_momentum > 0,
         )  # fmt: skip
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:  # (the inner optimizer's, as param_groups)
-        return self.optim.state
-
     def __repr__(self) -> str:
         return f"DiLoCo({self.config.inner_steps} inner steps of {self.optim!r})"
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optim.zero_grad(set_to_none=set_to_none)
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = self.optim.step(closure)
         if self.steps % self.config.inner_steps == 0:
             self.outer_step()
@@ -103,6 +100,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         state = dict(state_dict)
         outer = state.pop("diloco", None)
         self.optim.load_state_dict(state)
+        self.state = self.optim.state
         if outer is None:  # (a checkpoint of another strategy: start the outer loop here)
             self.steps = 0
             for g, p in zip(self.global_params, self._params, strict=True):
