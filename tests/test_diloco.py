@@ -5,31 +5,18 @@ bf16, counted in bytes); bad options are refused."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from equivalence import check_equal
-from models import make_data, make_mlp, mse
+from models import make_mlp
+from periodic_averaging import ARGS, model_bytes
 
 import axon_nb
 from axon_nb import DDP, DiLoCo, LocalSGD
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
-ARGS: dict[str, Any] = dict(
-    model=make_mlp, data=make_data, loss=mse, steps=12, batch_size=32,
-    optimizer=("sgd", {"lr": 0.1}),
-)  # fmt: skip
-AGREEMENT_BYTES = 4 * 4
-"""The loop's own all-reduce per step (loss and three flags)."""
 PLAIN = dict(outer_lr=1.0, outer_momentum=0.0, nesterov=False)
 """The outer SGD that only averages."""
-
-
-def _bytes(result: axon_nb.TrainResult, kind: str = "all_reduce") -> int:
-    """``kind`` bytes of rank 0 beyond the loop's own agreement."""
-    total = int(result.ranks[0]["comm_totals"].get(kind, {}).get("bytes", 0))
-    return total - (AGREEMENT_BYTES * result.steps if kind == "all_reduce" else 0)
 
 
 def test_one_inner_step_with_a_plain_outer_sgd_is_ddp(pooled_cluster_2: axon_nb.Cluster) -> None:
@@ -50,13 +37,13 @@ def test_an_outer_learning_rate_of_one_is_local_sgd(pooled_cluster_2: axon_nb.Cl
 
 def test_the_model_travels_inner_steps_times_less_often(pooled_cluster_2: axon_nb.Cluster) -> None:
     params = sum(p.numel() for p in make_mlp().parameters())
-    ddp = _bytes(pooled_cluster_2.train(**ARGS, strategy=DDP()))
+    ddp = model_bytes(pooled_cluster_2.train(**ARGS, strategy=DDP()))
     assert ddp == 4 * params * ARGS["steps"]  # every step, every gradient
     for compress, per_value in ((None, 4), ("bf16", 2)):
         run = pooled_cluster_2.train(**ARGS, strategy=DiLoCo(inner_steps=4, compress=compress))
-        assert _bytes(run) == ddp // 4 * per_value // 4  # outer steps after steps 1, 5, 9
+        assert model_bytes(run) == ddp // 4 * per_value // 4  # outer steps after steps 1, 5, 9
     int8 = pooled_cluster_2.train(**ARGS, strategy=DiLoCo(inner_steps=4, compress="int8"))
-    assert _bytes(int8) == 0 and _bytes(int8, "all_gather") == 3 * (params + 4)
+    assert model_bytes(int8) == 0 and model_bytes(int8, "all_gather") == 3 * (params + 4)
     reference = pooled_cluster_2.train(**ARGS, strategy=DiLoCo(inner_steps=4))
     assert int8.losses == pytest.approx(reference.losses, rel=0.02)  # (quantized, close)
 

@@ -3,29 +3,15 @@ all-reduces ``period`` times less often (counted in bytes)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from equivalence import check_equal
-from models import make_data, make_mlp, mse
+from models import make_mlp
+from periodic_averaging import ARGS, model_bytes
 
 import axon_nb
 from axon_nb import DDP, LocalSGD
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
-
-ARGS: dict[str, Any] = dict(
-    model=make_mlp, data=make_data, loss=mse, steps=12, batch_size=32,
-    optimizer=("sgd", {"lr": 0.1}),
-)  # fmt: skip
-AGREEMENT_BYTES = 4 * 4
-"""The loop's own all-reduce per step (loss and three flags)."""
-
-
-def _model_bytes(result: axon_nb.TrainResult) -> int:
-    """All-reduce bytes of rank 0 beyond the loop's own agreement."""
-    total = result.ranks[0]["comm_totals"]["all_reduce"]["bytes"]
-    return int(total) - AGREEMENT_BYTES * result.steps
 
 
 def test_averaging_every_step_is_ddp(pooled_cluster_2: axon_nb.Cluster) -> None:
@@ -36,8 +22,8 @@ def test_averaging_every_step_is_ddp(pooled_cluster_2: axon_nb.Cluster) -> None:
 
 def test_period_k_all_reduces_k_times_less(pooled_cluster_2: axon_nb.Cluster) -> None:
     params = sum(p.numel() for p in make_mlp().parameters())
-    ddp = _model_bytes(pooled_cluster_2.train(**ARGS, strategy=DDP()))
-    local = _model_bytes(pooled_cluster_2.train(**ARGS, strategy=LocalSGD(period=4)))
+    ddp = model_bytes(pooled_cluster_2.train(**ARGS, strategy=DDP()))
+    local = model_bytes(pooled_cluster_2.train(**ARGS, strategy=LocalSGD(period=4)))
     assert ddp == 4 * params * ARGS["steps"]  # every step, every gradient
     assert local == 4 * params * ARGS["steps"] // 4  # every 4th step, every parameter
     warm = pooled_cluster_2.train(**ARGS, strategy=LocalSGD(period=4, warmup_steps=4))

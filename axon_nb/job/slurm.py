@@ -137,30 +137,32 @@ def _ask(job_id: str) -> str | None:
                                 capture_output=True, text=True, timeout=30)  # fmt: skip
         if queued.returncode == 0 and queued.stdout.strip():
             return queued.stdout.split()[0]
-        shown = subprocess.run(["scontrol", "-o", "show", "job", job_id],
-                               capture_output=True, text=True, timeout=30)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return UNREACHABLE
-    for field in shown.stdout.split():
-        if field.startswith("JobState="):
-            return field.removeprefix("JobState=")
-    return None if "Invalid job id" in shown.stderr else UNREACHABLE
+    shown = _shown(job_id)
+    if shown is None:
+        return UNREACHABLE
+    return shown.get("JobState") or (None if "_invalid" in shown else UNREACHABLE)
 
 
-def slurm_job_dir(job_id: str) -> str | None:
-    """The job directory of the axon_nb job ``job_id`` (from where Slurm writes its output),
-    or None when Slurm does not know it or it is no axon_nb job."""
+def _shown(job_id: str) -> dict[str, str] | None:
+    """``scontrol show job``'s fields (``{"_invalid": ""}`` when Slurm does not know the job),
+    or None when Slurm could not be asked."""
     try:
         shown = subprocess.run(["scontrol", "-o", "show", "job", job_id],
                                capture_output=True, text=True, timeout=30)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return None
-    for field in shown.stdout.split():
-        if field.startswith("StdOut="):
-            out = Path(field.removeprefix("StdOut="))  # JOB_DIR/slurm/<id>_0_log.out
-            if (out.parent.parent / "job.json").exists():
-                return str(out.parent.parent)
-    return None
+    if "Invalid job id" in shown.stderr:
+        return {"_invalid": ""}
+    return dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+
+
+def slurm_job_dir(job_id: str) -> str | None:
+    """The job directory of the axon_nb job ``job_id`` (from where Slurm writes its output),
+    or None when Slurm does not know it or it is no axon_nb job."""
+    out = Path((_shown(job_id) or {}).get("StdOut", "/"))  # JOB_DIR/slurm/<id>_0_log.out
+    return str(out.parent.parent) if (out.parent.parent / "job.json").exists() else None
 
 
 def scancel(job_id: str, signal_name: str | None = None) -> None:
