@@ -24,11 +24,11 @@ SIGNAL_REPLY_S = 10.0
 their answer (ipyparallel's blocking ``send_signal`` waits for it for ever)."""
 
 
-ABORT_REPLY_S = 10.0
-"""How long the engines get to note an abort before the SIGINT that follows it is sent. Their
-control thread answers within milliseconds on an idle machine, but seconds under load (CI's
-two cores running the suite): a SIGINT sent before the abort is noted ends the earlier request
-and the rank then starts the work it should have skipped."""
+ABORT_REPLY_S = 2.0
+"""How long the engines get to note an abort before the SIGINT that follows it is sent.
+(10 s was tried for CI's load, where a reply can come later than 2 s: under the full suite
+both tests of a rank that had not started its part then failed, the rank still busy 20 s
+after; the cause is not understood yet, so the value that passed before stays.)"""
 
 
 class Control:
