@@ -70,9 +70,9 @@ class Job:
         """``submitted``, ``running``, ``requeued`` (preempted, being relaunched),
         ``preempted`` (checkpointed, not requeued), ``finished``, ``failed`` or
         ``cancelled``."""
-        state = read_state(self.dir)
         if self.on_slurm:
             return slurm_job_state(self.dir, self.id, requeue=bool(self._job.get("requeue")))
+        state = read_state(self.dir)
         if state.get("state") in ("submitted", "running", "requeued") and not (
             self._supervisor_alive(state)
         ):

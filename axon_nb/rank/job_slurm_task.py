@@ -60,11 +60,11 @@ def run_task(job_dir: str) -> int:
             write_state(job_dir, "failed", error=f"rank {rank}: {type(e).__name__}: {e}")
         raise
     if rank == 0:
-        _record_end(job_dir, job, job_id, code)
+        _record_end(job_dir, job, code)
     return code
 
 
-def _record_end(job_dir: str, job: dict[str, object], job_id: str, code: int) -> None:
+def _record_end(job_dir: str, job: dict[str, object], code: int) -> None:
     """Rank 0, once every rank is done: the job's state, and the requeue after a notice."""
     if code != PREEMPTED_EXIT:
         write_state(job_dir, "finished", exit_code=code)

@@ -105,34 +105,24 @@ class Preemption:
         happened (the step, the path, the signal, when it came and when it was saved)."""
         import torch.distributed as dist
 
+        from axon_nb.rank import runtime
         from axon_nb.rank.checkpoint import checkpoint_io
 
         path = path_for(str(directory), step)
         target = SaveTarget(path=path, partial=f"{path}.partial-preempted", kind="sharded",
                             replaces=None)  # fmt: skip
-        made = ""
+        error: OSError | None = None
         if dist.get_rank() == 0:
             try:
                 Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
                 target.create_partial()
-            except OSError as e:  # (said to every rank below: none waits in a barrier)
-                made = f"{type(e).__name__}: {e}"
-        _agree_on(made, f"the preemption checkpoint at {path} could not be started")
+            except OSError as e:  # (said to every rank: none waits in a barrier)
+                error = e
+        checkpoint_io.agree(runtime.context(), error, f"start the preemption checkpoint {path}")
         checkpoint_io.save(name, target)
         dist.barrier()
         return {"step": step, "path": path, "notice_at": self.arrived, "saved_at": time.time(),
                 "signal": signal.Signals(self.signum).name if self.signum else None}  # fmt: skip
-
-
-def _agree_on(error: str, what: str) -> None:
-    """Every rank: raise if rank 0 reported ``error`` (one broadcast, instead of a barrier
-    the other ranks would wait in until the collective timeout)."""
-    import torch.distributed as dist
-
-    said = [error]
-    dist.broadcast_object_list(said, src=0)
-    if said[0]:
-        raise RuntimeError(f"{what}: {said[0]}")
 
 
 def resume_from_checkpoint(spec: TrainSpec, job_dir: str, run_id: str, stop: StopSignal
