@@ -10,12 +10,15 @@ import ast
 import os
 import pathlib
 import subprocess
+import time
 
+import ipyparallel as ipp
 import pytest
 from other_users import STRANGER, SYSTEM_PYTHON, as_user
 from other_users import missing as users_missing
 
 import axon_nb
+from axon_nb.cluster import sending
 from axon_nb.cluster.relay import relay_of
 from axon_nb.rank import entry
 
@@ -139,3 +142,63 @@ def test_work_that_could_not_be_sent_leaves_nothing_counted_as_running(
         relay.send([0, 1], "code", b"x = 1", "execute", refused)
     assert not client.outstanding
     assert pooled_cluster_2.run(os.getpid, stream=False) != []  # and the next call goes
+
+
+def _nap_on_rank_1(seconds: float) -> None:
+    import time
+
+    import torch.distributed as dist
+
+    time.sleep(seconds if dist.get_rank() == 1 else 0)
+    _seen().clear()
+
+
+def _note(name: str) -> None:
+    _seen().append(name)
+
+
+def _seen() -> list[str]:
+    import builtins
+
+    return builtins.__dict__.setdefault("_axon_test_seen", [])  # type: ignore[no-any-return]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_calls_to_a_rank_run_in_the_order_sent_whatever_their_hosts_leader(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    """A call to rank 1 alone comes through rank 1's own engine, the next call to both ranks
+    through rank 0: while rank 1 is busy, the second reached it first and ran first (every
+    time, before the parts were numbered)."""
+    for _ in range(2):
+        pooled_cluster_2.send(_nap_on_rank_1, 1.0)
+        time.sleep(0.3)  # (rank 1 is napping)
+        first = pooled_cluster_2.send(_note, "A", ranks=[1])
+        second = pooled_cluster_2.send(_note, "B")
+        first.ar.get(timeout=30), second.ar.get(timeout=30)
+        assert pooled_cluster_2.run(_seen, stream=False) == [["B"], ["A", "B"]]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_a_leader_that_fails_to_pass_work_on_holds_up_no_later_call(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    """Rank 1's part of a call whose leader failed never comes: the kernel tells rank 1 to
+    skip its number, or rank 1 would hold every later part for ever."""
+    client = pooled_cluster_2.client
+    relay = relay_of(client)
+    assert relay is not None
+
+    def failing_leader(leaders: list[int], header: dict[str, object], payload: bytes,
+                       plan: dict[int, object]) -> ipp.AsyncResult:  # fmt: skip
+        if header["kind"] != "skip":  # (a plan without the leader: it raises KeyError)
+            plan = {}
+        return sending._forward(client, leaders, header, payload, plan)
+
+    ar = relay.send([0, 1], "call", sending.packed_call(os.getpid, (), {}), "getpid",
+                    failing_leader)  # fmt: skip
+    with pytest.raises(ipp.error.RemoteError, match="KeyError"):
+        ar.get(timeout=30)
+    pooled_cluster_2.send(_note, "after", ranks=[1]).ar.get(timeout=30)  # (not held)

@@ -17,6 +17,7 @@ does on a reply, :meth:`Relay.outcome` does on an outcome, on the client's IO th
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import uuid
 import weakref
 from collections.abc import Callable
@@ -32,8 +33,11 @@ from ipyparallel.serialize import deserialize_object
 OUTCOME = "axon_outcome"
 """The IOPub message type of a relayed part's outcome (as ``rank/world/relay.py`` sends it)."""
 
-Forward = Callable[[list[int], dict[str, Any], bytes, dict[int, list[tuple[int, str, str]]]],
-                   ipp.AsyncResult]  # fmt: skip
+Plan = dict[int, list[tuple[int, str, str, int]]]
+"""Each host leader's ranks: ``(rank, relay directory, message id, seq)`` (``seq``: the part's
+number among those this relay sent the rank, which the ranks run in order:
+``rank/world/relay_order.py``)."""
+Forward = Callable[[list[int], dict[str, Any], bytes, Plan], ipp.AsyncResult]
 """How the relay sends ``entry.forward`` to the host leaders (``sending``'s direct path)."""
 
 
@@ -47,6 +51,10 @@ class Relay:
         """Each waiting part's leader's answer (resolved when in)."""
         self.outcome_messages = 0
         """How many messages of outcomes the kernel read (about one per host and call)."""
+        self.epoch = uuid.uuid4().hex
+        """This relay's name on the ranks, under which they count its parts."""
+        self._sent: dict[str, int] = {}
+        """How many parts went to each rank (by its relay directory: a new engine starts at 1)."""
 
     def covers(self, targets: list[int]) -> bool:
         return all(t in self.routes for t in targets)
@@ -62,25 +70,29 @@ class Relay:
         hosts: dict[str, list[int]] = {}
         for r in targets:
             hosts.setdefault(self.routes[r][0], []).append(r)
-        plan = {min(rs): [(r, self.routes[r][1], ids[r]) for r in rs] for rs in hosts.values()}
+        plan = {min(rs): [(r, self.routes[r][1], ids[r], self._number(r)) for r in rs]
+                for rs in hosts.values()}  # fmt: skip
         leaders = sorted(plan)
         forwarded: dict[int, concurrent.futures.Future[None]] = {
             leader: concurrent.futures.Future() for leader in leaders
         }
         for leader in leaders:  # (before sending: an outcome may come back at once)
-            self._acks.update({msg_id: forwarded[leader] for _, _, msg_id in plan[leader]})
+            self._acks.update({msg_id: forwarded[leader] for _, _, msg_id, _ in plan[leader]})
         try:
-            acks = forward(leaders, {"kind": kind, "call": base}, payload, plan)
+            acks = forward(leaders, {"kind": kind, "call": base, "epoch": self.epoch}, payload,
+                           plan)  # fmt: skip
         except BaseException as e:  # (nothing went: nothing may stay counted as running)
             for done in forwarded.values():
                 done.set_result(None)
             for msg_id in ids.values():
                 self._settle(msg_id, e)
+            for r in targets:  # (their numbers go to the next parts)
+                self._sent[self.routes[r][1]] -= 1
             raise
         for leader, ack in zip(leaders, acks.split(), strict=True):
-            ids_there = [msg_id for _, _, msg_id in plan[leader]]
-            ack.add_done_callback(lambda a, f=forwarded[leader], ids=ids_there:
-                                  self._forwarded(a, f, ids))  # fmt: skip
+            there = {leader: plan[leader]}
+            ack.add_done_callback(lambda a, f=forwarded[leader], p=there:
+                                  self._forwarded(a, f, p, forward))  # fmt: skip
         if len(targets) == 1:
             return ipp.AsyncResult(self.client, futures[0], fname=fname, targets=targets[0])
         return ipp.AsyncResult(self.client, futures, fname=fname, targets=targets)
@@ -128,16 +140,36 @@ class Relay:
             return ipp_error.TaskAborted(msg_id)
         return self.client._unwrap_exception(content)
 
+    def _number(self, rank: int) -> int:
+        directory = self.routes[rank][1]
+        self._sent[directory] = self._sent.get(directory, 0) + 1
+        return self._sent[directory]
+
     def _forwarded(self, ack: ipp.AsyncResult, forwarded: concurrent.futures.Future[None],
-                   msg_ids: list[str]) -> None:  # fmt: skip
+                   plan: Plan, forward: Forward) -> None:  # fmt: skip
         """A leader's answer is in: its host's parts' output is complete once theirs are in
         too (so no call ends with its message still counted as outstanding); if it failed to
-        pass the work on (it died, or raised), the parts fail so."""
+        pass the work on (it died, or raised), the parts fail so, and their ranks are told
+        not to wait for them."""
         if not ack.successful():
-            for msg_id in msg_ids:
-                if msg_id in self.client._futures:
-                    self._settle(msg_id, ack.exception())
+            for parts in plan.values():
+                for _, _, msg_id, _ in parts:
+                    if msg_id in self.client._futures:
+                        self._settle(msg_id, ack.exception())
+            self._skip(plan, forward)
         forwarded.set_result(None)
+
+    def _skip(self, plan: Plan, forward: Forward) -> None:
+        """Tell each live rank of ``plan`` (through its own engine) that its parts there will
+        not come, so that it does not hold the parts after them (``relay_order.py``)."""
+        alive = set(self.client.ids)
+        for parts in plan.values():
+            for rank, directory, _, seq in parts:
+                if rank not in alive:
+                    continue
+                header = {"kind": "skip", "call": "", "epoch": self.epoch, "skip": [seq]}
+                with contextlib.suppress(Exception):  # (it died meanwhile: nothing waits)
+                    forward([rank], header, b"", {rank: [(rank, directory, "", 0)]})
 
     def _settle(self, msg_id: str, result: Any) -> None:
         client = self.client

@@ -102,8 +102,8 @@ def keep_runs(root: str, keeper_pid: int) -> int:
     return __import__("os").getpid()
 
 
-def forward(header: dict[str, Any], payload: bytes, plan: dict[int, list[tuple[int, str, str]]]
-            ) -> int:  # fmt: skip
+def forward(header: dict[str, Any], payload: bytes,
+            plan: dict[int, list[tuple[int, str, str, int]]]) -> int:  # fmt: skip
     """(A host's leader) pass relayed work on to the host's target ranks."""
     from axon_nb.rank.world import relay
 

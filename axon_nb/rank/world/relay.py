@@ -36,13 +36,15 @@ import tempfile
 from typing import Any
 
 from axon_nb.rank.world.packed_call import run_packed
+from axon_nb.rank.world.relay_order import Order
 from axon_nb.rank.world.relay_outcomes import Collector, publish
 from axon_nb.spec.processes import pid_alive
 
 _state: dict[str, Any] = {}
 """This engine's relay: ``rank``, ``directory``, the work ``stream``, the ``collector`` of
 outcomes, the ``pushes`` of work (main thread) and of outcomes (IOPub thread) by address,
-and ``sent``: how many IOPub messages this engine has sent (a one-item list)."""
+``sent``: how many IOPub messages this engine has sent (a one-item list), and the ``order``
+of the parts (``relay_order.py``)."""
 
 
 def open_relay() -> str:
@@ -69,7 +71,7 @@ def open_relay() -> str:
     collector = Collector(kernel, rank, f"ipc://{directory}/outcomes")
     sent = _count_sent(kernel.iopub_socket)
     _state.update(rank=rank, directory=directory, stream=stream, collector=collector,
-                  pushes={}, outcome_pushes={}, cells=set(), sent=sent)  # fmt: skip
+                  pushes={}, outcome_pushes={}, cells=set(), sent=sent, order=Order())  # fmt: skip
     return directory
 
 
@@ -93,19 +95,23 @@ def _count_sent(iopub: Any) -> list[int]:
     return sent
 
 
-def forward(header: dict[str, Any], payload: bytes, plan: dict[int, list[tuple[int, str, str]]]
-            ) -> int:  # fmt: skip
+def forward(header: dict[str, Any], payload: bytes,
+            plan: dict[int, list[tuple[int, str, str, int]]]) -> int:  # fmt: skip
     """(The leader, as an ipyparallel request) pass the work on to this host's target ranks:
-    ``plan[my rank]`` lists each one's ``(rank, relay directory, message id)``. Their output
-    goes under the kernel's session, so the kernel reads it; the number passed on."""
+    ``plan[my rank]`` lists each one's ``(rank, relay directory, message id, seq)`` (``seq``:
+    the part's number among those the kernel sent that rank, ``relay_order.py``). Their output
+    goes under the kernel's session, so the kernel reads it; the number passed on. A header of
+    kind "skip" (the kernel's, after another leader failed) names numbers this rank will not
+    get (``skip``), and expects no outcome."""
     import zmq
 
     parent = dict(_kernel().get_parent("shell")["header"])
     mine = plan[_state["rank"]]
-    _state["collector"].expect(header["call"], len(mine))
+    if header["kind"] != "skip":
+        _state["collector"].expect(header["call"], len(mine))
     leader = {"leader": _state["directory"], "leader_pid": os.getpid()}
-    for _, directory, msg_id in mine:
-        part = {**header, **leader, "parent": {**parent, "msg_id": msg_id}}
+    for _, directory, msg_id, seq in mine:
+        part = {**header, **leader, "seq": seq, "parent": {**parent, "msg_id": msg_id}}
         _push("pushes", f"ipc://{directory}/work").send_multipart(
             [json.dumps(part).encode(), payload], zmq.NOBLOCK
         )
@@ -113,7 +119,18 @@ def forward(header: dict[str, Any], payload: bytes, plan: dict[int, list[tuple[i
 
 
 def _arrived(frames: list[bytes]) -> None:
+    """A part (or the kernel's word to skip some) has come: run what is now due, in order."""
     header = json.loads(frames[0])
+    order: Order[tuple[dict[str, Any], list[bytes]]] = _state["order"]
+    if header["kind"] == "skip":
+        due = order.skip(header["epoch"], header["skip"])
+    else:
+        due = order.admit(header["epoch"], header["seq"], (header, frames))
+    for part_header, part_frames in due:
+        _run(part_header, part_frames)
+
+
+def _run(header: dict[str, Any], frames: list[bytes]) -> None:
     kernel = _kernel()
     msg_id = header["parent"]["msg_id"]
     if msg_id in kernel.aborted:  # the kernel aborted it before it got here
