@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time names load on first
     from axon_nb.strategies import (
         DDP,
         FSDP,
+        AsyncSGD,
         DiLoCo,
         ExpertParallel,
         Hybrid,
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DDP",
     "FSDP",
+    "AsyncSGD",
     "AxonError",
     "Checkpoint",
     "Cluster",
@@ -116,6 +118,7 @@ _LAZY = {
     "pretrained": "axon_nb.spec.pretrained_model",
     **dict.fromkeys(
         [
+            "AsyncSGD",
             "DDP",
             "DiLoCo",
             "ExpertParallel",

@@ -28,6 +28,7 @@ expert parallel                all-to-all of 8 bytes per expert, then of each (t
 pipeline                       send and receive each boundary activation and its gradient
                                (none behind frozen layers only), per micro-batch
 LocalSGD (after warm-up)       all-reduce of ``T b`` every ``period`` steps, no gradients
+AsyncSGD                       DDP's: all-reduce of ``T b`` every step (in the background)
 DiLoCo                         all-reduce of ``T`` fp32 (bf16: 2 bytes) every
                                ``inner_steps`` steps; int8: all-gather of ``T`` bytes
 every step                     16 bytes: the loop's agreement on loss and stop

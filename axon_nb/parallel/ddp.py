@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from axon_nb.parallel.async_sgd import StaleGradients, stale_hook, stale_of
 from axon_nb.spec.parallel_config import DDPConfig, LocalSGDConfig
 
 
@@ -20,15 +21,17 @@ def apply_ddp(
     ignored: list[str] | None = None,
     *,
     local_steps: bool = False,
+    stale: StaleGradients | None = None,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DDP over ``group`` (the data-parallel ranks) with ``config``'s hook,
-    or with ``local_sgd``: PyTorch's post-local SGD hook, which all-reduces gradients for the
-    warm-up steps and none after (the optimizer then averages parameters, see
-    :func:`local_sgd_optimizer`). ``local_steps``: no gradient all-reduce at all (DiLoCo's
-    inner steps; its optimizer talks, ``parallel/diloco.py``).
+        or with ``local_sgd``: PyTorch's post-local SGD hook, which all-reduces gradients for the
+        warm-up steps and none after (the optimizer then averages parameters, see
+        :func:`local_sgd_optimizer`). ``local_steps``: no gradient all-reduce at all (DiLoCo's
+        inner steps; its optimizer talks, ``parallel/diloco.py``). ``stale``: AsyncSGD's hook, which
+    hands DDP the mean gradients of a few steps ago (``parallel/async_sgd.py``).
 
-    The hook is always a Python one, even for plain fp32: its all-reduce goes through
-    ``torch.distributed.all_reduce``, where the metrics probe measures bytes and time.
+        The hook is always a Python one, even for plain fp32: its all-reduce goes through
+        ``torch.distributed.all_reduce``, where the metrics probe measures bytes and time.
     """
     if ignored:  # parameters synchronised elsewhere (expert parallelism's experts)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
@@ -51,6 +54,10 @@ def apply_ddp(
             post_local_gradient_allreduce=False,  # local steps: no gradient all-reduce at all
         )
         ddp.register_comm_hook(state, local.post_localSGD_hook)
+        return ddp
+    if stale is not None:
+        ddp.register_comm_hook(stale, stale_hook)
+        stale_of[ddp] = stale  # (for the optimizer: ``AsyncSGDOptimizer``)
         return ddp
     state, hook = _hook(config, group, backend=torch.distributed.get_backend(group))
     ddp.register_comm_hook(state, hook)

@@ -33,6 +33,7 @@ from torch import nn
 
 from axon_nb.parallel import pipeline, zero1
 from axon_nb.parallel.activation_checkpoint import canonical_name, parameter_names
+from axon_nb.parallel.async_sgd import AsyncSGDOptimizer, StaleGradients, stale_of
 from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
 from axon_nb.parallel.diloco import DiLoCoOptimizer
 from axon_nb.parallel.fsdp import apply_fsdp
@@ -42,6 +43,7 @@ from axon_nb.parallel.param_groups import GroupPlan, check_built
 from axon_nb.parallel.pipeline import PipelinedModel
 from axon_nb.parallel.zero2 import GradShardedModel
 from axon_nb.spec.parallel_config import (
+    AsyncSGDConfig,
     DDPConfig,
     DiLoCoConfig,
     FSDPConfig,
@@ -179,15 +181,17 @@ class DDPLayout(Layout):
     ddp: DDPConfig
     local_sgd: LocalSGDConfig | None = None
     diloco: DiLoCoConfig | None = None
+    async_sgd: AsyncSGDConfig | None = None
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> Layout:
-        return cls(config.ddp or DDPConfig(), config.local_sgd, config.diloco)
+        return cls(config.ddp or DDPConfig(), config.local_sgd, config.diloco, config.async_sgd)
 
     def wrap(self, part: nn.Module, site: Site) -> nn.Module:
         ignored = [n for n, p in part.named_parameters() if id(p) in site.experts]
+        stale = StaleGradients.made_for(self.async_sgd, site.dp_group)
         return apply_ddp(part, site.dp_group, site.device, self.ddp, self.local_sgd, ignored,
-                         local_steps=self.diloco is not None)  # fmt: skip
+                         local_steps=self.diloco is not None, stale=stale)  # fmt: skip
 
     def no_sync(self, parallel: Parallelized) -> contextlib.AbstractContextManager[None]:
         return cast("DistributedDataParallel", parallel.model).no_sync()
@@ -198,6 +202,8 @@ class DDPLayout(Layout):
         optimizer = super().build_optimizer(parallel, factory)
         if self.diloco is not None:
             return DiLoCoOptimizer(optimizer, parallel.dp_group, self.diloco)
+        if (stale := stale_of.get(parallel.model)) is not None:
+            return AsyncSGDOptimizer(optimizer, stale)
         if self.local_sgd is None:
             return optimizer
         return local_sgd_optimizer(optimizer, parallel.dp_group, self.local_sgd)

@@ -253,6 +253,21 @@ class DiLoCoConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AsyncSGDConfig:
+    """AsyncSGD on DDP: each step applies the mean gradient of ``staleness`` steps ago, whose
+    all-reduce ran in the background meanwhile; see ``parallel/async_sgd.py``."""
+
+    staleness: int = 4
+    """How many steps a rank may run ahead of the slowest (0: DDP)."""
+
+    def problems(self) -> list[str]:
+        staleness = self.staleness
+        if isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0:
+            return []
+        return [f"staleness must be an integer >= 0 (steps), got {self.staleness!r}"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
     """Everything ``parallelize`` applies besides the degrees (see ``parallelize.py``)."""
 
@@ -276,6 +291,14 @@ class ParallelConfig:
     """With ``data_parallel="ddp"``: post-local SGD instead of an all-reduce every step."""
     diloco: DiLoCoConfig | None = None
     """With ``data_parallel="ddp"``: DiLoCo's outer steps instead of an all-reduce every step."""
+    async_sgd: AsyncSGDConfig | None = None
+    """With ``data_parallel="ddp"``: each step applies the gradients of ``staleness`` steps ago."""
+
+    @property
+    def lag(self) -> int:
+        """How many steps behind a rank may read the per-step agreement (``agreement.py``):
+        1, or AsyncSGD's staleness (so its ranks are held no closer than that)."""
+        return max(1, self.async_sgd.staleness) if self.async_sgd is not None else 1
 
 
 def _number(value: Any) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from axon_nb.strategies.async_sgd import AsyncSGD
 from axon_nb.strategies.base import SingleDevice, Strategy
 from axon_nb.strategies.ddp import DDP
 from axon_nb.strategies.diloco import DiLoCo
@@ -26,6 +27,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "hybrid": Hybrid,
     "local_sgd": LocalSGD,
     "diloco": DiLoCo,
+    "async_sgd": AsyncSGD,
     "single_device": SingleDevice,
 }
 """Strategies by name, for ``strategy="ddp"``."""
@@ -34,6 +36,7 @@ __all__ = [
     "DDP",
     "FSDP",
     "STRATEGIES",
+    "AsyncSGD",
     "DiLoCo",
     "ExpertParallel",
     "Hybrid",

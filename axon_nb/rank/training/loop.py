@@ -166,6 +166,8 @@ class _Loop:
         self.meter = CommMeter()
         pipelined = state.parallel.pipeline is not None  # (its stages start steps together)
         self.agreement = StepAgreement(ctx.world_size, ctx.device, lockstep=pipelined)
+        self.lag = state.parallel.config.lag
+        """Steps posted and not read (1; AsyncSGD's ranks may be ``staleness`` steps apart)."""
         self._records: deque[dict[str, Any]] = deque()
         """Metrics of steps whose agreement is not read yet (see ``agreement.py``)."""
         self.micro = MicroStep(spec, ctx, state.scaler, state.module)
@@ -282,7 +284,7 @@ class _Loop:
         )
         # Read the previous step's agreement (this one's too at the end, or to stop): every
         # rank reads the same sums at the same boundary, so all stop at the same step.
-        stops, all_written, due = self._settle(keep=0 if last else 1)
+        stops, all_written, due = self._settle(keep=0 if last else self.lag)
         if stops and not last:
             more = self._settle(keep=0)
             stops, all_written, due = True, more[1], due or more[2]

@@ -1,0 +1,136 @@
+"""AsyncSGD: stale-synchronous data parallelism with bounded staleness, decentralized.
+
+Every rank holds the whole model (DDP) and, in its backward, starts the all-reduce of its
+gradients without waiting for it (a DDP communication hook): the step is taken with the mean
+gradient of ``staleness`` steps ago, whose all-reduce has had those steps to finish. A rank
+waits only when that old sum is not in yet, that is when a peer is more than ``staleness``
+steps behind: no rank runs more than ``staleness`` steps ahead of the slowest, and a rank
+that is slow for a step (a straggler) holds nobody up while the others have steps in hand.
+
+The order of the applied updates is fixed, so a run can be reproduced: step ``t`` applies
+the mean over all ranks of the gradients of step ``t - staleness`` (an all-reduce sums the
+same numbers on every rank), every rank applies the same updates in the same order, and the
+parameters stay the same on every rank. The first ``staleness`` steps have no update to
+apply: the optimizer skips them (the scheduler still counts them). ``staleness=0`` waits at
+once: it is DDP. This is delayed-gradient SGD (bounded-staleness SSP without a parameter
+server); a rank's gradient is computed on parameters that lack its last ``staleness`` updates.
+
+    state = StaleGradients(dp_group, staleness=4)
+    ddp.register_comm_hook(state, stale_hook)
+    optimizer = AsyncSGDOptimizer(torch.optim.SGD(params, lr=0.1), state)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from axon_nb.spec.parallel_config import AsyncSGDConfig
+
+Sent = tuple[Any, torch.Tensor, int, int]
+"""One parameter's gradient on its way: the all-reduce's work, the bucket's summed buffer,
+the offset and length of the parameter's gradient in it."""
+
+
+class StaleGradients:
+    """The hook's state: the gradients of the last ``staleness`` steps on their way, by
+    parameter (DDP may regroup its buckets between steps), and whether this step's gradients
+    are real (``ready``: False for the first ``staleness`` steps)."""
+
+    def __init__(self, group: Any, staleness: int) -> None:
+        self.group = group
+        self.staleness = staleness
+        self.world = dist.get_world_size(group)
+        self.sent: deque[dict[int, Sent]] = deque()
+        """Each step's gradients on their way, oldest first (at most ``staleness``)."""
+        self._this_step: dict[int, Sent] = {}
+        self.ready = False
+
+    @classmethod
+    def made_for(cls, config: AsyncSGDConfig | None, group: Any) -> StaleGradients | None:
+        """The state for ``config`` over ``group``; None without staleness (plain DDP)."""
+        if config is None or config.staleness == 0:
+            return None
+        return cls(group, config.staleness)
+
+
+stale_of: weakref.WeakKeyDictionary[nn.Module, StaleGradients] = weakref.WeakKeyDictionary()
+"""Each AsyncSGD model's hook state (``ddp.apply_ddp`` files it, the layout's optimizer reads
+it)."""
+
+
+def stale_hook(state, bucket):  # (unannotated: DDP checks a hook's annotations)
+    """Start the mean of this bucket's gradients over the ranks; hand DDP the same
+    parameters' mean from ``state.staleness`` steps ago (zeros while there is none).
+    (``state``: :class:`StaleGradients`; ``bucket``: ``dist.GradBucket``.)"""
+    buffer = bucket.buffer()
+    summed = buffer.div(state.world)  # (a new tensor: the bucket's own is DDP's)
+    work = dist.all_reduce(summed, group=state.group, async_op=True)
+    params = bucket.parameters()
+    offsets = _offsets(params)
+    for p, at in zip(params, offsets, strict=True):
+        state._this_step[id(p)] = (work, summed, at, p.numel())
+    out = torch.zeros_like(buffer)
+    due = len(state.sent) >= state.staleness
+    if due:
+        oldest = state.sent[0]
+        for p, at in zip(params, offsets, strict=True):
+            old_work, old_sum, old_at, n = oldest[id(p)]
+            old_work.wait()
+            out[at : at + n] = old_sum[old_at : old_at + n]
+    if bucket.is_last():  # (DDP's last bucket of this backward)
+        state.sent.append(state._this_step)
+        state._this_step = {}
+        if len(state.sent) > state.staleness:
+            state.sent.popleft()
+        state.ready = due
+    future = torch.futures.Future()
+    future.set_result(out)
+    return future
+
+
+def _offsets(params: list[torch.Tensor]) -> list[int]:
+    """Where each parameter's gradient starts in its bucket's flat buffer (in order, packed)."""
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += p.numel()
+    return offsets
+
+
+class AsyncSGDOptimizer(torch.optim.Optimizer):
+    """``optim``, skipping the steps that have no stale gradient to apply yet (the first
+    ``staleness``). Its ``state_dict`` is the inner optimizer's."""
+
+    def __init__(self, optim: torch.optim.Optimizer, stale: StaleGradients) -> None:
+        # (no Optimizer.__init__: param_groups and state are the inner optimizer's)
+        self.optim = optim
+        self.param_groups = optim.param_groups
+        self.state = optim.state
+        self.stale = stale
+
+    def __repr__(self) -> str:
+        return f"AsyncSGD(staleness={self.stale.staleness}, {self.optim!r})"
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optim.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.stale.ready:
+            return None
+        return self.optim.step(closure)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+        self.state = self.optim.state
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError("AsyncSGD keeps the parameter groups it was built with")
