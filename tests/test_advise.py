@@ -9,7 +9,7 @@ import functools
 import pytest
 
 import axon_nb
-from axon_nb import DDP, FSDP, Hybrid, TensorParallel, ZeRO, estimate
+from axon_nb import DDP, FSDP, AsyncSGD, DiLoCo, Hybrid, TensorParallel, ZeRO, estimate
 from axon_nb.cluster.bandwidth import BandwidthReport
 from axon_nb.estimate import LayerProfile, ModelProfile
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
@@ -121,3 +121,16 @@ def test_activation_checkpointing_and_mixed_precision_shrink_activations() -> No
     assert activations(DDP(), mixed_precision="bf16") == pytest.approx(full / 2)
     # checkpointed: each block keeps its input (64 B a sample), one block is rebuilt at a time
     assert activations(DDP(activation_checkpointing=True)) == pytest.approx((9 * 64 + 1024) * 4)
+
+
+def test_slow_links_rank_asyncsgd_and_diloco_by_what_their_communication_costs() -> None:
+    """AsyncSGD's all-reduce hides behind ``staleness`` more steps of compute; DiLoCo's, a
+    ``inner_steps``-th of DDP's, is in the optimizer's step, hidden by nothing."""
+    slow = dict(profile=BIG, world_size=8, device_memory="80GiB", batch_size=64,
+                bandwidth={"intra_host": 1e9, "inter_host": 1e9})  # fmt: skip
+    strategies = [DDP(), AsyncSGD(staleness=4), DiLoCo(inner_steps=100)]
+    rows = {r["name"]: r for r in axon_nb.advise(**slow, strategies=strategies).rows}
+    ddp, stale, diloco = (rows[s.describe()] for s in strategies)
+    assert stale["comm_bytes"] == ddp["comm_bytes"] and stale["step_s"] < ddp["step_s"]
+    assert diloco["comm_bytes"] < ddp["comm_bytes"] / 50 and diloco["step_s"] < ddp["step_s"]
+    assert axon_nb.advise(**slow, strategies=strategies).rows[0]["name"] == diloco["name"]

@@ -5,6 +5,7 @@ delayed-gradient optimizer does on the whole batch; bad options are refused."""
 from __future__ import annotations
 
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from equivalence import check_equal
 from models import make_data, make_mlp, mse
 from periodic_averaging import ARGS, model_bytes
+from resumed_runs import continued_both_ways
 
 import axon_nb
 from axon_nb import DDP, AsyncSGD, estimate
@@ -85,3 +87,24 @@ def test_its_bytes_are_ddps_and_the_estimate_says_so(pooled_cluster_2: axon_nb.C
         r["comm"] for r in estimate.predict(profile, DDP(), **sizes).ranks
     ]
     assert predicted.ranks[0]["comm"]["all_reduce"] == pytest.approx(4 * params + 16)
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_checkpoint_keeps_the_gradients_in_flight(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path, kind: str
+) -> None:
+    args = {**ARGS, "strategy": AsyncSGD(staleness=2)}
+    uninterrupted, resumed = continued_both_ways(pooled_cluster_2, args, tmp_path / "c", kind)
+    assert resumed.losses == uninterrupted.losses  # bit for bit (no second warm-up)
+
+
+def test_a_checkpoint_continues_on_another_number_of_ranks(
+    pooled_cluster_2: axon_nb.Cluster, pooled_cluster_4: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    """As after a rank's death with ``min_ranks``, or a resize: the mean gradients in flight
+    are the same on every rank, so they load on any number."""
+    args = {**ARGS, "strategy": AsyncSGD(staleness=2)}
+    uninterrupted, resumed = continued_both_ways(
+        pooled_cluster_2, args, tmp_path / "c", "sharded", target=pooled_cluster_4
+    )
+    assert resumed.losses == pytest.approx(uninterrupted.losses, abs=1e-5)

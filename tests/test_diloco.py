@@ -5,10 +5,13 @@ bf16, counted in bytes); bad options are refused."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from equivalence import check_equal
 from models import make_mlp
 from periodic_averaging import ARGS, model_bytes
+from resumed_runs import continued_both_ways
 
 import axon_nb
 from axon_nb import DDP, DiLoCo, LocalSGD
@@ -54,8 +57,37 @@ def test_diloco_options_are_checked() -> None:
         (dict(outer_lr=0), "outer_lr must be a number > 0"),
         (dict(outer_momentum=1.0), "outer_momentum must be in \\[0, 1\\)"),
         (dict(compress="fp8"), "compress must be None, 'bf16' or 'int8'"),
+        (dict(shard_size=0), "shard_size must be an integer >= 1"),
     ]
     for bad, said in refused:
         with pytest.raises(ValueError, match=said):
             DiLoCo(**bad)
     assert axon_nb.strategies.resolve_strategy("diloco") == DiLoCo()
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_a_checkpoint_keeps_the_outer_loop(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Path, kind: str
+) -> None:
+    """An outer step (with momentum) falls in each continuation: after a load it must come at
+    the same step, from the same global parameters and momentum."""
+    args = {**ARGS, "strategy": DiLoCo(inner_steps=4)}
+    uninterrupted, resumed = continued_both_ways(pooled_cluster_2, args, tmp_path / "c", kind)
+    assert resumed.losses == uninterrupted.losses  # bit for bit
+
+
+def test_a_worker_may_be_a_group_of_ranks_sharded_with_fsdp(
+    pooled_cluster_4: axon_nb.Cluster, tmp_path: Path
+) -> None:
+    """Two workers of two FSDP ranks each: the degenerate case is DDP, and a checkpoint keeps
+    each rank's shards of the outer loop (sharded and full)."""
+    reference = axon_nb.train_local(**ARGS)
+    sharded_plain = DiLoCo(inner_steps=1, shard_size=2, **PLAIN)
+    check_equal(pooled_cluster_4, reference, {**ARGS, "strategy": sharded_plain},
+                loss_tol=1e-5, param_tol=1e-5)  # fmt: skip
+    for kind in ("sharded", "full"):
+        args = {**ARGS, "strategy": DiLoCo(inner_steps=4, shard_size=2)}
+        uninterrupted, resumed = continued_both_ways(pooled_cluster_4, args, tmp_path / kind, kind)
+        assert resumed.losses == uninterrupted.losses  # bit for bit
+    with pytest.raises(ValueError, match="needs a number of ranks it divides"):
+        pooled_cluster_4.train(**ARGS, strategy=DiLoCo(shard_size=3))

@@ -15,7 +15,7 @@ import pytest
 from equivalence import check_predictions
 
 import axon_nb
-from axon_nb import DDP, FSDP, Hybrid, LocalSGD, Pipeline, TensorParallel, ZeRO
+from axon_nb import DDP, FSDP, AsyncSGD, DiLoCo, Hybrid, LocalSGD, Pipeline, TensorParallel, ZeRO
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
@@ -38,10 +38,12 @@ TWO_RANKS = [
     TensorParallel(sequence_parallel=True), Pipeline(microbatches=4), Pipeline(microbatches=8),
     Pipeline(microbatches=4, schedule="gpipe"),
     Pipeline(microbatches=4, schedule="interleaved_1f1b", virtual_stages=2), LocalSGD(period=1),
+    AsyncSGD(staleness=1), DiLoCo(inner_steps=2),  # (AsyncSGD: its steady state by step 3)
 ]  # fmt: skip
 FOUR_RANKS = [
     FSDP(), FSDP(sharding="hybrid_shard", shard_size=2), Hybrid(dp=2, tp=2),
     Hybrid(dp=2, pp=2, data_parallel="ddp"), Hybrid(dp=2, pp=2), Hybrid(tp=2, pp=2),
+    DiLoCo(inner_steps=2, shard_size=2),
 ]  # fmt: skip
 
 

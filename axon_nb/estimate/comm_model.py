@@ -30,7 +30,9 @@ pipeline                       send and receive each boundary activation and its
 LocalSGD (after warm-up)       all-reduce of ``T b`` every ``period`` steps, no gradients
 AsyncSGD                       DDP's: all-reduce of ``T b`` every step (in the background)
 DiLoCo                         all-reduce of ``T`` fp32 (bf16: 2 bytes) every
-                               ``inner_steps`` steps; int8: all-gather of ``T`` bytes
+                               ``inner_steps`` steps; int8: all-gather of ``T`` bytes;
+                               workers of FSDP ranks: FSDP's within a worker, and the
+                               outer all-reduce of ``T / s`` across the workers
 every step                     16 bytes: the loop's agreement on loss and stop
 =============================  ==========================================================
 
@@ -93,17 +95,19 @@ def _diloco(
     config: DiLoCoConfig,
     trained: float,
     step: int | None,
+    axis: str = "dp",
 ) -> None:
     """DiLoCo's outer step every ``inner_steps`` steps (the first after step 0): an all-reduce
-    of the outer gradients (fp32 or bf16), or with int8 an all-gather of them."""
+    of the outer gradients (fp32 or bf16), or with int8 an all-gather of them, over ``axis``
+    (the workers: ``dp_replicate`` when each is a group of FSDP ranks, of its shards)."""
     h = config.inner_steps
     if step is not None and step % h != 0:
         return
     share = 1 / h if step is None else 1
     if config.compress == "int8":
-        out["dp", "all_gather"] += (trained + 4) * share  # (each rank's int8 piece, its scale)
+        out[axis, "all_gather"] += (trained + 4) * share  # (each rank's int8 piece, its scale)
     else:
-        out["dp", "all_reduce"] += trained * (2 if config.compress == "bf16" else 4) * share
+        out[axis, "all_reduce"] += trained * (2 if config.compress == "bf16" else 4) * share
 
 
 def _data_parallel(
@@ -144,7 +148,9 @@ def _data_parallel(
                 gathers = 2 if fsdp.reshard_after_forward else 1
             out["dp_shard", "all_gather"] += gathers * local * gather_b / shards
             out["dp_shard", "reduce_scatter"] += trained * reduce_b
-        if layout.dims.dp_replicate > 1:
+        if layout.dims.dp_replicate > 1 and layout.config.diloco is not None:  # (workers)
+            _diloco(out, layout.config.diloco, trained / shards, step, axis="dp_replicate")
+        elif layout.dims.dp_replicate > 1:
             out["dp_replicate", "all_reduce"] += trained * reduce_b / shards
 
 

@@ -72,6 +72,9 @@ data-parallel ranks:
                ``param_dtype``; under autocast alone, in fp32
 ``step``       the optimizer step's temporaries (``optimizer_memory``: by optimizer and
                implementation path, from the largest tensor it steps or all of them)
+``strategy``   DiLoCo: the global parameters and the outer momentum, ``2 T b / s`` (one
+               copy without momentum); AsyncSGD: the mean gradients in flight,
+               ``staleness x T b``
 =============  ==================================================================
 
 With FSDP's ``cpu_offload`` the shards of parameters, gradients and optimizer state live in
@@ -177,11 +180,18 @@ def _rank(profile: ModelProfile, layout: RankLayout, mixed_precision: str | None
 
 
 def _held(r: _Rank, layout: RankLayout, optimizer: Any) -> dict[str, float]:
-    """Parameters and optimizer state: held at every moment."""
-    return {
+    """Parameters, optimizer state and a strategy's own state: held at every moment."""
+    held = {
         "params": r.local * r.b / layout.param_shards + r.mine * r.b,
         "optimizer": (_stepped(r, layout) + r.mine) * state_bytes(optimizer),
     }
+    diloco, stale = layout.config.diloco, layout.config.async_sgd
+    if diloco is not None:  # the global parameters, and the outer momentum
+        copies = 2 if diloco.outer_momentum > 0 else 1
+        held["strategy"] = copies * r.trained * r.b / layout.param_shards
+    elif stale is not None and stale.staleness:  # the mean gradients in flight
+        held["strategy"] = stale.staleness * r.trained * r.b
+    return held
 
 
 def _stepped(r: _Rank, layout: RankLayout) -> float:

@@ -9,7 +9,9 @@ the communication that does not overlap it, at the links' bus bandwidth.
   nccl-tests defines bus bandwidth: all-reduce moves ``2(n-1)/n`` of its payload per rank,
   all-gather ``n-1`` shards, reduce-scatter ``(n-1)/n``, broadcast and send/recv all of it.
   Data-parallel collectives overlap backward (two thirds of the compute): only what exceeds
-  it counts. Tensor- and pipeline-parallel ones sit on the critical path.
+  it counts. Tensor- and pipeline-parallel ones sit on the critical path, and so does
+  DiLoCo's outer all-reduce (in the optimizer's step, after backward). AsyncSGD's gradient
+  all-reduce has ``staleness`` more steps of compute to hide behind.
 - Links: ``intra_host`` for groups within one host, ``inter_host`` for groups that span hosts
   (the mesh puts tensor parallelism innermost, so it spans hosts last).
 
@@ -49,14 +51,16 @@ def step_time(
 ) -> dict[str, float]:
     """``compute_s``, ``comm_s`` (all of it), ``exposed_comm_s`` and ``step_s`` for one rank."""
     compute = _compute_s(profile, layout, device_flops)
-    hidden_by = compute * OVERLAP
+    config = layout.config
+    hidden_by = compute * (OVERLAP + (config.async_sgd.staleness if config.async_sgd else 0))
     overlappable, critical = 0.0, 0.0
     for (axis, kind), nbytes in comm_by_axis(profile, layout).items():
         size = _group_size(layout, axis)
         if size < 2:
             continue
         seconds = nbytes * _bus_factor(kind, size) / _link(layout, axis, links, ranks_per_host)
-        if axis.startswith("dp"):
+        outer = config.diloco is not None and axis in ("dp", "dp_replicate")  # (in the step)
+        if axis.startswith("dp") and not outer:
             overlappable += seconds
         else:
             critical += seconds

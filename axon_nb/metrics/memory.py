@@ -79,13 +79,17 @@ def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def held_parts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """:func:`held_bytes` by part: ``params``, ``grads``, ``optimizer state``, ``buckets``."""
+    """:func:`held_bytes` by part: ``params``, ``grads``, ``optimizer state``, ``buckets``,
+    and ``strategy``: what a strategy keeps of its own (DiLoCo's global parameters and outer
+    momentum, AsyncSGD's gradients in flight: the optimizer's ``kept_tensors()``)."""
     state = model_state(model, optimizer)
+    kept = getattr(optimizer, "kept_tensors", None)
     return {
         "params": state["param_bytes"],
         "grads": state["grad_bytes"],
         "optimizer state": state["optimizer_bytes"],
         "buckets": ddp_bucket_bytes(model),
+        "strategy": sum(t.numel() * t.element_size() for t in kept()) if kept else 0,
     }
 
 

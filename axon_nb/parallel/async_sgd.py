@@ -33,8 +33,9 @@ from torch import nn
 from axon_nb.spec.parallel_config import AsyncSGDConfig
 
 Sent = tuple[Any, torch.Tensor, int, int]
-"""One parameter's gradient on its way: the all-reduce's work, the bucket's summed buffer,
-the offset and length of the parameter's gradient in it."""
+"""One parameter's gradient on its way: the all-reduce's work (None once loaded from a
+checkpoint), the bucket's summed buffer, the offset and length of the parameter's gradient
+in it."""
 
 
 class StaleGradients:
@@ -81,7 +82,8 @@ def stale_hook(state, bucket):  # (unannotated: DDP checks a hook's annotations)
         oldest = state.sent[0]
         for p, at in zip(params, offsets, strict=True):
             old_work, old_sum, old_at, n = oldest[id(p)]
-            old_work.wait()
+            if old_work is not None:  # (None: loaded from a checkpoint)
+                old_work.wait()
             out[at : at + n] = old_sum[old_at : old_at + n]
     if bucket.is_last():  # (DDP's last bucket of this backward)
         state.sent.append(state._this_step)
@@ -105,7 +107,8 @@ def _offsets(params: list[torch.Tensor]) -> list[int]:
 
 class AsyncSGDOptimizer(torch.optim.Optimizer):
     """``optim``, skipping the steps that have no stale gradient to apply yet (the first
-    ``staleness``). Its ``state_dict`` is the inner optimizer's."""
+    ``staleness``). Its ``state_dict`` is the inner optimizer's; the gradients in flight go
+    into checkpoints as its ``strategy_state`` (``strategy_state.py``)."""
 
     def __init__(self, optim: torch.optim.Optimizer, stale: StaleGradients) -> None:
         # (no Optimizer.__init__: param_groups and state are the inner optimizer's)
@@ -113,6 +116,40 @@ class AsyncSGDOptimizer(torch.optim.Optimizer):
         self.param_groups = optim.param_groups
         self.state = optim.state
         self.stale = stale
+        self._params = [p for g in optim.param_groups for p in g["params"]]
+
+    @property
+    def state_kind(self) -> str:
+        return f"async_sgd(staleness={self.stale.staleness})"
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """The mean gradients in flight (for the memory figures): one buffer per bucket and
+        step."""
+        buffers = {id(t): t for step in self.stale.sent for _, t, _, _ in step.values()}
+        return list(buffers.values())
+
+    def strategy_state(
+        self, names: dict[int, str], *, local: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """The mean gradients in flight (``pending<i>/<name>``, oldest first; zeros in the
+        slots not filled yet) and how many there are (``filled``); all the same on every rank
+        (nothing ``local``)."""
+        sent = self.stale.sent
+        state = {"filled": torch.tensor([len(sent)])}
+        for i in range(self.stale.staleness):
+            for p in self._params:
+                mean = _mean_in(sent[i], p) if i < len(sent) else None
+                state[f"pending{i}/{names[id(p)]}"] = torch.zeros_like(p) if mean is None else mean
+        return state
+
+    def load_strategy_state(self, saved: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+        self.stale.sent.clear()
+        for i in range(int(saved["filled"].item())):
+            step: dict[int, Sent] = {}
+            for p in self._params:
+                mean = saved[f"pending{i}/{names[id(p)]}"].reshape(-1).to(p.device, p.dtype)
+                step[id(p)] = (None, mean, 0, mean.numel())
+            self.stale.sent.append(step)
 
     def __repr__(self) -> str:
         return f"AsyncSGD(staleness={self.stale.staleness}, {self.optim!r})"
@@ -134,3 +171,13 @@ class AsyncSGDOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("AsyncSGD keeps the parameter groups it was built with")
+
+
+def _mean_in(step: dict[int, Sent], p: torch.Tensor) -> torch.Tensor | None:
+    """``p``'s mean gradient in ``step`` (waiting for its all-reduce), or None if not there."""
+    if id(p) not in step:
+        return None
+    work, summed, at, n = step[id(p)]
+    if work is not None:
+        work.wait()
+    return summed[at : at + n].view_as(p).detach().clone()

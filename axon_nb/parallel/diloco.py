@@ -39,11 +39,18 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.config = config
         self.steps = 0
         self._params = [p for g in optim.param_groups for p in g["params"]]
-        self.global_params = [p.detach().clone() for p in self._params]
+        self.global_params = [p.detach().clone() for p in self._locals()]
         self.outer = torch.optim.SGD(
             self.global_params, lr=config.outer_lr, momentum=config.outer_momentum,
             nesterov=config.nesterov and config.outer_momentum > 0,
         )  # fmt: skip
+
+    def _locals(self) -> list[torch.Tensor]:
+        """What of each parameter this rank holds: a worker sharded by FSDP holds shards, and
+        its outer loop works on them (each rank all-reduces its shard with the other
+        workers' same shard). Taken anew each time: FSDP may replace a shard's tensor."""
+        with torch.no_grad():
+            return [_local(p) for p in self._params]
 
     def __repr__(self) -> str:
         return f"DiLoCo({self.config.inner_steps} inner steps of {self.optim!r})"
@@ -62,12 +69,12 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def outer_step(self) -> None:
         """Average the outer gradients over the ranks, step the outer optimizer, and set
         every rank's parameters to the new global ones."""
-        deltas = [g - p.detach() for g, p in zip(self.global_params, self._params, strict=True)]
+        deltas = [g - p.detach() for g, p in zip(self.global_params, self._locals(), strict=True)]
         for g, mean in zip(self.global_params, self._mean(deltas), strict=True):
             g.grad = mean
         self.outer.step()
         self.outer.zero_grad(set_to_none=True)
-        for g, p in zip(self.global_params, self._params, strict=True):
+        for g, p in zip(self.global_params, self._locals(), strict=True):
             p.copy_(g)
 
     def _mean(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -103,7 +110,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
         if outer is None:  # (a checkpoint of another strategy: start the outer loop here)
             self.steps = 0
-            for g, p in zip(self.global_params, self._params, strict=True):
+            for g, p in zip(self.global_params, self._locals(), strict=True):
                 g.copy_(p.detach())
             return
         self.steps = int(outer["steps"])
@@ -112,8 +119,77 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 g.copy_(saved)
         self.outer.load_state_dict(outer["outer"])
 
+    state_kind = "diloco"
+
+    def kept_tensors(self) -> list[torch.Tensor]:
+        """What the outer loop holds besides the model and the inner optimizer (for the
+        memory figures): the global parameters and the outer momentum."""
+        momentum = [s["momentum_buffer"] for s in self.outer.state.values() if s]
+        return [*self.global_params, *momentum]
+
+    def strategy_state(
+        self, names: dict[int, str], *, local: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """The outer loop's state for a checkpoint (``strategy_state.py``): its step count,
+        the global parameters and the outer momentum (zeros before the first outer step,
+        which SGD's first momentum step treats as it treats none), and with ``local`` this
+        rank's own parameters (``local<rank>/<name>``: they differ between outer steps, and a
+        model checkpoint keeps one rank's)."""
+        state = {"steps": torch.tensor([self.steps])}
+        rank = dist.get_rank()
+        for g, p, mine in zip(self.global_params, self._params, self._locals(), strict=True):
+            momentum = self.outer.state.get(g, {}).get("momentum_buffer")
+            momentum = momentum.detach() if momentum is not None else torch.zeros_like(g)
+            state[f"global/{names[id(p)]}"] = _shaped_like(p, g.detach())
+            state[f"momentum/{names[id(p)]}"] = _shaped_like(p, momentum)
+            if local:
+                state[f"local{rank}/{names[id(p)]}"] = mine.detach()
+        return state
+
+    @torch.no_grad()
+    def load_strategy_state(self, saved: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+        """Load what :meth:`strategy_state` gave; without this rank's own parameters (another
+        number of ranks), every rank goes on from the global ones."""
+        self.steps = int(saved["steps"].item())
+        rank = dist.get_rank()
+        for g, p, mine in zip(self.global_params, self._params, self._locals(), strict=True):
+            g.copy_(_held(p, saved[f"global/{names[id(p)]}"]))
+            mine.copy_(saved.get(f"local{rank}/{names[id(p)]}", g))
+            if self.config.outer_momentum > 0:
+                momentum = _held(p, saved[f"momentum/{names[id(p)]}"])
+                self.outer.state[g]["momentum_buffer"] = momentum.to(g).clone()
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("DiLoCo keeps the parameter groups it was built with")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The part of ``p`` this rank holds: its local shard when ``p`` is a DTensor (FSDP2), which
+    shares its storage, else ``p``."""
+    return p.to_local() if hasattr(p, "to_local") else p  # (under no_grad: the tensor itself)
+
+
+def _shaped_like(p: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``held`` (this rank's part of something shaped as ``p``) as a checkpoint stores it: a
+    DTensor laid out as ``p`` when ``p`` is one, so that each shard is stored once."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return held
+    return DTensor.from_local(held, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())  # fmt: skip
+
+
+def _held(p: torch.Tensor, saved: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``saved`` for parameter ``p``: its local shard of a DTensor, or of
+    a whole tensor (a full checkpoint) laid out as ``p``."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(saved, DTensor):
+        return saved.to_local()
+    if not isinstance(p, DTensor):
+        return saved
+    return distribute_tensor(saved.to(p.device), p.device_mesh, p.placements).to_local()
 
 
 def _int8_mean(flat: torch.Tensor, group: Any, world: int) -> torch.Tensor:

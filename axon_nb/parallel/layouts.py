@@ -38,6 +38,7 @@ from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
 from axon_nb.parallel.diloco import DiLoCoOptimizer
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
+from axon_nb.parallel.optim_state import on_cpu
 from axon_nb.parallel.optimizer_factory import OptimizerFactory
 from axon_nb.parallel.param_groups import GroupPlan, check_built
 from axon_nb.parallel.pipeline import PipelinedModel
@@ -67,6 +68,7 @@ class Parallelized(Protocol):
 
     model: nn.Module
     root: nn.Module
+    mesh: Any
     dp_group: Any
     groups: GroupPlan
 
@@ -151,7 +153,7 @@ class Layout:
         options = StateDictOptions(full_state_dict=full, cpu_offload=offload)
         model_state, optim_state = get_state_dict(parallel.model, optimizer, options=options)
         if full and every_rank:
-            model_state, optim_state = _on_cpu(model_state), _on_cpu(optim_state)
+            model_state, optim_state = on_cpu(model_state), on_cpu(optim_state)
         return {"model": model_state, "optimizer": optim_state}
 
     def set_state(
@@ -342,14 +344,16 @@ class FSDPLayout(Layout):
     kind: ClassVar[str] = "fsdp"
     shards: ClassVar[bool] = True
     fsdp: FSDPConfig
+    diloco: DiLoCoConfig | None = None  # (DiLoCo's workers: each a dp_shard group of ranks)
 
     @classmethod
     def from_config(cls, config: ParallelConfig) -> Layout:
-        return cls(config.fsdp or FSDPConfig())
+        return cls(config.fsdp or FSDPConfig(), config.diloco)
 
     def wrap(self, part: nn.Module, site: Site) -> nn.Module:
         dims, mesh = site.dims, site.mesh
-        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+        replicated = dims.dp_replicate > 1 and self.diloco is None  # (DiLoCo: no grads across)
+        fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicated else mesh["dp_shard"]
         if dims.ep > 1:  # the experts' ranks read different data: all of dp shards the rest
             fsdp_mesh = dims.dp_mesh(site.device.type)
         ignored = {p for p in part.parameters() if id(p) in site.experts}
@@ -357,6 +361,13 @@ class FSDPLayout(Layout):
 
     def no_sync(self, parallel: Parallelized) -> contextlib.AbstractContextManager[None]:
         return _without_gradient_sync(cast("FSDPModule", parallel.model))
+
+    def build_optimizer(self, parallel: Parallelized, factory: OptimizerFactory
+                        ) -> torch.optim.Optimizer:  # fmt: skip
+        optimizer = super().build_optimizer(parallel, factory)
+        if self.diloco is None:
+            return optimizer
+        return DiLoCoOptimizer(optimizer, parallel.mesh["dp_replicate"].get_group(), self.diloco)
 
 
 @dataclass(frozen=True)
@@ -437,14 +448,3 @@ def _without_gradient_sync(model: FSDPModule) -> Iterator[None]:
 
 def _full_tensor(value: Any) -> Any:
     return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
-def _on_cpu(state: Any) -> Any:
-    """``state`` (nested dicts and lists of tensors) with every tensor on the CPU."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().cpu()
-    if isinstance(state, dict):
-        return {k: _on_cpu(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_on_cpu(v) for v in state]
-    return state

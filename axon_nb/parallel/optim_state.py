@@ -90,3 +90,16 @@ def merge_groups(per_rank: Sequence[Sequence[dict[str, Any]]], order: Sequence[s
         names = {n for groups in per_rank for n in groups[index]["params"]}
         merged.append({**settings(group), "params": sorted(names, key=rank.__getitem__)})
     return merged
+
+
+def on_cpu(state: Any) -> Any:
+    """``state`` (nested dicts and lists of tensors) with every tensor on the CPU."""
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.detach().cpu()
+    if isinstance(state, dict):
+        return {k: on_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [on_cpu(v) for v in state]
+    return state

@@ -236,6 +236,9 @@ class DiLoCoConfig:
     """Nesterov momentum for the outer SGD."""
     compress: str | None = None
     """How the outer gradients travel: None (fp32), ``"bf16"`` or ``"int8"``."""
+    shard_size: int = 1
+    """Ranks per worker: above 1, each worker is a group of ranks that shards its model with
+    FSDP, and each rank's outer all-reduce is of its shard, with the other workers' same one."""
 
     def problems(self) -> list[str]:
         errors = []
@@ -249,6 +252,8 @@ class DiLoCoConfig:
             errors.append(f"nesterov must be True or False, got {self.nesterov!r}")
         if self.compress not in COMPRESSIONS:
             errors.append(f"compress must be None, 'bf16' or 'int8', got {self.compress!r}")
+        if not positive(self.shard_size):
+            errors.append(f"shard_size must be an integer >= 1 (ranks), got {self.shard_size!r}")
         return errors
 
 

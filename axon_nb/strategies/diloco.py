@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from axon_nb.spec.parallel_config import DDPConfig, DiLoCoConfig, ParallelConfig
+from axon_nb.spec.parallel_config import DDPConfig, DiLoCoConfig, FSDPConfig, ParallelConfig
 from axon_nb.spec.parallel_dims import ParallelDims
 from axon_nb.strategies.base import Strategy, config_from
 
@@ -20,7 +20,9 @@ class DiLoCo(Strategy, DiLoCoConfig):
     per ``inner_steps`` steps (``compress="bf16"`` halves it); the first outer step comes after
     the first inner step. With ``inner_steps=1, outer_lr=1, outer_momentum=0, nesterov=False``
     and inner SGD it trains exactly as DDP; with ``outer_lr=1, outer_momentum=0`` it is
-    ``LocalSGD(period=inner_steps)``. See ``parallel/diloco.py``.
+    ``LocalSGD(period=inner_steps)``. With ``shard_size=k`` each worker is a group of ``k``
+    ranks that shards its model with FSDP (the outer loop works on each rank's shards). See
+    ``parallel/diloco.py``.
 
     Example::
 
@@ -36,12 +38,20 @@ class DiLoCo(Strategy, DiLoCoConfig):
         return [*Strategy.problems(self), *DiLoCoConfig.problems(self)]
 
     def dims(self, world_size: int, ranks_per_host: int = 1) -> ParallelDims:
-        return ParallelDims(dp_replicate=world_size, world_size=world_size)
+        if world_size % self.shard_size:
+            raise ValueError(
+                f"DiLoCo(shard_size={self.shard_size}) needs a number of ranks it divides, "
+                f"got {world_size}: each worker is a group of shard_size ranks"
+            )
+        workers = world_size // self.shard_size
+        return ParallelDims(dp_replicate=workers, dp_shard=self.shard_size, world_size=world_size)
 
     def config(self) -> ParallelConfig:
+        sharded = self.shard_size > 1  # (each worker's model sharded by FSDP)
         return ParallelConfig(
-            data_parallel="ddp",
-            ddp=DDPConfig(),
+            data_parallel="fsdp" if sharded else "ddp",
+            ddp=None if sharded else DDPConfig(),
+            fsdp=FSDPConfig() if sharded else None,
             diloco=config_from(DiLoCoConfig, self),
             activation_checkpointing=self._checkpoint_every(),
         )

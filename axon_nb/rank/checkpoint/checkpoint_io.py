@@ -19,6 +19,7 @@ from torch import nn
 
 from axon_nb.parallel.activation_checkpoint import canonical_name
 from axon_nb.parallel.optim_state import SAME_GROUPS, groups_problem
+from axon_nb.parallel.strategy_state import kept_by
 from axon_nb.rank import runtime
 from axon_nb.rank.training import trainstate
 from axon_nb.rank.training.trainstate import TrainState
@@ -42,6 +43,10 @@ def save(name: str, target: SaveTarget) -> int:
     state = run_named(name, "save")
     ctx = runtime.context()
     tensors = state.parallel.get_state(state.optimizer, full=target.kind == "full")
+    keeper = kept_by(state.optimizer)
+    if keeper is not None:  # (DiLoCo's outer loop, AsyncSGD's gradients in flight)
+        kept = keeper.strategy_state(parameter_names(state))
+        tensors["strategy"] = _gathered(kept, ctx) if target.kind == "full" else kept
     rng = _gather_rng(ctx)
     error = None
     if target.kind == "full":
@@ -83,21 +88,36 @@ def load(name: str, path: str) -> int:
     if ckpt.kind == "sharded":
         SafeReader(path).check()  # refuse what would run code before anything changes
     with_optimizer = ckpt.trainer["optimizer_state"]
+    keeper = kept_by(state.optimizer)  # (its state loads from a checkpoint of its own kind)
+    if keeper is not None and ckpt.trainer.get("strategy_state") != keeper.state_kind:
+        keeper = None
     if ckpt.kind == "full":
         blob = torch.load(
             os.path.join(path, FULL_STATE_FILE), map_location="cpu", weights_only=True
         )
         tensors = {"model": blob["model"], "optimizer": blob["optimizer"], "rng": blob["rng"]}
+        tensors["strategy"] = blob.get("strategy")
+        keeper = keeper if tensors["strategy"] is not None else None
+        if ckpt.world_size != ctx.world_size and keeper is not None:  # (no rank's own)
+            tensors["strategy"] = {k: v for k, v in tensors["strategy"].items()
+                                   if not k.startswith("local")}  # fmt: skip
     else:
         if with_optimizer:
             init_optimizer_state(state.optimizer)  # so the template has every state tensor
         # The run's own (sharded) state is the template: DCP reads into it, resharding.
         tensors = state.parallel.get_state(state.optimizer, full=False)
         tensors["rng"] = {str(r): torch.get_rng_state() for r in range(ckpt.world_size)}
+        if keeper is not None:  # (each rank's own parts only on as many ranks as then)
+            same_world = ckpt.world_size == ctx.world_size
+            template = keeper.strategy_state(parameter_names(state), local=same_world)
+            # (copies: loading the model and the optimizer below may rewrite what it points at)
+            tensors["strategy"] = {k: v.detach().clone() for k, v in template.items()}
         dcp.load(tensors, storage_reader=SafeReader(path))
     if not with_optimizer:
         tensors["optimizer"] = None
     state.parallel.set_state(state.optimizer, tensors)
+    if keeper is not None:  # (after the optimizer's own state, which restarts it)
+        keeper.load_strategy_state(tensors["strategy"], parameter_names(state))
     trainer = ckpt.trainer
     state.scheduler.load_state_dict(trainer["scheduler"])
     if state.scaler is not None and trainer["scaler"]:
@@ -107,6 +127,23 @@ def load(name: str, path: str) -> int:
     if ckpt.world_size == ctx.world_size and mine is not None:  # streams belong to ranks
         torch.set_rng_state(mine.cpu())
     return state.step
+
+
+def _gathered(kept: dict[str, Any], ctx: runtime.RankContext) -> dict[str, Any]:
+    """A strategy's state for a full checkpoint (every rank calls it: collectives): sharded
+    parts whole, and every rank's own parts (``local<rank>/...``) on every rank."""
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in kept.items()}
+    own = {k: v.cpu() for k, v in whole.items() if k.startswith("local")}
+    if ctx.world_size > 1 and own:
+        everyone: list[Any] = [None] * ctx.world_size
+        dist.all_gather_object(everyone, own)
+        own = {k: v for ranks in everyone for k, v in ranks.items()}
+    return {**{k: v for k, v in whole.items() if not k.startswith("local")}, **own}
+
+
+def parameter_names(state: TrainState) -> dict[int, str]:
+    """Each parameter's name in checkpoints, by the parameter's id."""
+    return {id(p): canonical_name(n) for n, p in state.parallel.root.named_parameters()}
 
 
 def model_shapes(module: nn.Module) -> dict[str, list[int]]:
@@ -174,13 +211,15 @@ def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
 
 
 def trainer_state(state: TrainState, optimizer_state: bool) -> dict[str, Any]:
-    """The marker's ``trainer`` entry: scheduler and scaler state, and whether the checkpoint
-    holds optimizer state."""
+    """The marker's ``trainer`` entry: scheduler and scaler state, whether the checkpoint
+    holds optimizer state, and the kind of the strategy's own state it holds (or None)."""
+    keeper = kept_by(state.optimizer)
     return {
         "scheduler": state.scheduler.state_dict(),
         "scaler": state.scaler.state_dict() if state.scaler is not None else {},
         "optimizer_state": optimizer_state,
         "param_groups": group_names(state),
+        "strategy_state": keeper.state_kind if keeper is not None else None,
     }
 
 
