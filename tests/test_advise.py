@@ -124,8 +124,8 @@ def test_activation_checkpointing_and_mixed_precision_shrink_activations() -> No
 
 
 def test_slow_links_rank_asyncsgd_and_diloco_by_what_their_communication_costs() -> None:
-    """AsyncSGD's all-reduce hides behind ``staleness`` more steps of compute; DiLoCo's, a
-    ``inner_steps``-th of DDP's, is in the optimizer's step, hidden by nothing."""
+    """AsyncSGD's all-reduce hides behind the whole step (DDP's behind backward); DiLoCo's,
+    a ``inner_steps``-th of DDP's, is in the optimizer's step, hidden by nothing."""
     slow = dict(profile=BIG, world_size=8, device_memory="80GiB", batch_size=64,
                 bandwidth={"intra_host": 1e9, "inter_host": 1e9})  # fmt: skip
     strategies = [DDP(), AsyncSGD(staleness=4), DiLoCo(inner_steps=100)]

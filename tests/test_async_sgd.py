@@ -20,6 +20,10 @@ from axon_nb import DDP, AsyncSGD, estimate
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
+STATEFUL = {**ARGS, "optimizer": ("sgd", {"lr": 0.1, "momentum": 0.9}), "schedule": "cosine"}
+"""A run whose inner optimizer has state (momentum) and whose learning rate changes every
+step: a checkpoint must bring back both, besides the gradients in flight."""
+
 
 class DelayedGradients(torch.optim.Optimizer):
     """The reference, in one process: ``inner`` steps on the gradients of ``staleness``
@@ -69,10 +73,12 @@ def test_each_step_applies_the_mean_gradient_of_staleness_steps_ago(
     assert abs(ddp.losses[-1] - result.losses[-1]) > 1e-4  # (the staleness shows)
 
 
-def test_asyncsgd_options_are_checked() -> None:
+def test_asyncsgd_options_are_checked(pooled_cluster_2: axon_nb.Cluster) -> None:
     for bad in (-1, 1.5, True, None):
         with pytest.raises(ValueError, match="staleness must be an integer >= 0"):
             AsyncSGD(staleness=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="'fp16' cannot be used with AsyncSGD"):
+        pooled_cluster_2.train(**ARGS, strategy=AsyncSGD(staleness=1), mixed_precision="fp16")
     assert axon_nb.strategies.resolve_strategy("async_sgd") == AsyncSGD()
 
 
@@ -93,7 +99,7 @@ def test_its_bytes_are_ddps_and_the_estimate_says_so(pooled_cluster_2: axon_nb.C
 def test_a_checkpoint_keeps_the_gradients_in_flight(
     pooled_cluster_2: axon_nb.Cluster, tmp_path: Path, kind: str
 ) -> None:
-    args = {**ARGS, "strategy": AsyncSGD(staleness=2)}
+    args = {**STATEFUL, "strategy": AsyncSGD(staleness=2)}
     uninterrupted, resumed = continued_both_ways(pooled_cluster_2, args, tmp_path / "c", kind)
     assert resumed.losses == uninterrupted.losses  # bit for bit (no second warm-up)
 

@@ -71,7 +71,7 @@ def test_a_checkpoint_keeps_the_outer_loop(
 ) -> None:
     """An outer step (with momentum) falls in each continuation: after a load it must come at
     the same step, from the same global parameters and momentum."""
-    args = {**ARGS, "strategy": DiLoCo(inner_steps=4)}
+    args = {**ARGS, "schedule": "cosine", "strategy": DiLoCo(inner_steps=4)}
     uninterrupted, resumed = continued_both_ways(pooled_cluster_2, args, tmp_path / "c", kind)
     assert resumed.losses == uninterrupted.losses  # bit for bit
 

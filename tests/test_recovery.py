@@ -174,8 +174,8 @@ def _rank_3_of_4_dies_at_its_7th_step(output: torch.Tensor, target: torch.Tensor
     "strategy", [DDP(), AsyncSGD(staleness=2), DiLoCo(inner_steps=4)], ids=lambda s: s.name
 )
 def test_a_rank_that_cannot_come_back_is_left_out(tmp_path: Path, strategy: Any) -> None:
-    """Also for the strategies with state of their own in checkpoints (AsyncSGD's gradients
-    in flight, DiLoCo's outer loop), which load on the smaller world."""
+    """Also for AsyncSGD and DiLoCo, whose runs go on with fewer ranks too (their state in
+    checkpoints loading on another number of ranks: ``test_async_sgd.py``)."""
     args = {**ARGS, "steps": 16, "strategy": strategy}
     with axon_nb.Cluster(n=4, timeout=60) as cluster:
         whole = cluster.train(**args)

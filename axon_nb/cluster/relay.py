@@ -62,7 +62,7 @@ class Relay:
     def send(self, targets: list[int], kind: str, payload: bytes, fname: str, forward: Forward
              ) -> ipp.AsyncResult:  # fmt: skip
         """``payload`` (a packed call, or a cell's code) to ``targets``: one message to each
-        host's lowest target rank, which passes it on; an ``AsyncResult`` with one message
+        host's leader (``_leader``), which passes it on; an ``AsyncResult`` with one message
         per target (one target: its result alone, not in a list)."""
         base = uuid.uuid4().hex
         ids = {r: f"{base}_{r}" for r in targets}
@@ -70,7 +70,7 @@ class Relay:
         hosts: dict[str, list[int]] = {}
         for r in targets:
             hosts.setdefault(self.routes[r][0], []).append(r)
-        plan = {min(rs): [(r, self.routes[r][1], ids[r], self._number(r)) for r in rs]
+        plan = {self._leader(rs): [(r, self.routes[r][1], ids[r], self._number(r)) for r in rs]
                 for rs in hosts.values()}  # fmt: skip
         leaders = sorted(plan)
         forwarded: dict[int, concurrent.futures.Future[None]] = {
@@ -139,6 +139,14 @@ class Relay:
         if content["status"] == "aborted":
             return ipp_error.TaskAborted(msg_id)
         return self.client._unwrap_exception(content)
+
+    def _leader(self, ranks: list[int]) -> int:
+        """A host's leader for a call: its lowest target rank with no work of this client
+        outstanding (so that the call's parts there, which the other ranks run in order, do
+        not wait for a busy rank to pass them on), else its lowest."""
+        outstanding = self.client._outstanding_dict
+        idle = [r for r in ranks if not outstanding.get(self.client._engines.get(r, ""), ())]
+        return min(idle or ranks)
 
     def _number(self, rank: int) -> int:
         directory = self.routes[rank][1]

@@ -11,7 +11,8 @@ the communication that does not overlap it, at the links' bus bandwidth.
   Data-parallel collectives overlap backward (two thirds of the compute): only what exceeds
   it counts. Tensor- and pipeline-parallel ones sit on the critical path, and so does
   DiLoCo's outer all-reduce (in the optimizer's step, after backward). AsyncSGD's gradient
-  all-reduce has ``staleness`` more steps of compute to hide behind.
+  all-reduce runs behind the whole step (forward too), not only backward; staleness hides a
+  slow step, not bandwidth: each step still moves its own all-reduce.
 - Links: ``intra_host`` for groups within one host, ``inter_host`` for groups that span hosts
   (the mesh puts tensor parallelism innermost, so it spans hosts last).
 
@@ -52,7 +53,8 @@ def step_time(
     """``compute_s``, ``comm_s`` (all of it), ``exposed_comm_s`` and ``step_s`` for one rank."""
     compute = _compute_s(profile, layout, device_flops)
     config = layout.config
-    hidden_by = compute * (OVERLAP + (config.async_sgd.staleness if config.async_sgd else 0))
+    stale = config.async_sgd is not None and config.async_sgd.staleness > 0
+    hidden_by = compute * (1.0 if stale else OVERLAP)  # (AsyncSGD: behind the whole step)
     overlappable, critical = 0.0, 0.0
     for (axis, kind), nbytes in comm_by_axis(profile, layout).items():
         size = _group_size(layout, axis)

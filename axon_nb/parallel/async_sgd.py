@@ -120,6 +120,7 @@ class AsyncSGDOptimizer(torch.optim.Optimizer):
 
     @property
     def state_kind(self) -> str:
+        """``async_sgd``, with its staleness (the number of gradients kept)."""
         return f"async_sgd(staleness={self.stale.staleness})"
 
     def kept_tensors(self) -> list[torch.Tensor]:
@@ -143,6 +144,7 @@ class AsyncSGDOptimizer(torch.optim.Optimizer):
         return state
 
     def load_strategy_state(self, saved: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+        """The gradients in flight from :meth:`strategy_state` (the same on every rank)."""
         self.stale.sent.clear()
         for i in range(int(saved["filled"].item())):
             step: dict[int, Sent] = {}
@@ -158,6 +160,7 @@ class AsyncSGDOptimizer(torch.optim.Optimizer):
         self.optim.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure: Any = None) -> Any:
+        """The inner optimizer's step on the stale mean gradients, or none yet."""
         if not self.stale.ready:
             return None
         return self.optim.step(closure)
@@ -166,8 +169,14 @@ class AsyncSGDOptimizer(torch.optim.Optimizer):
         return self.optim.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the inner optimizer's state; the gradients in flight start afresh (a
+        checkpoint of this kind restores them after: ``load_strategy_state``)."""
         self.optim.load_state_dict(state_dict)
         self.state = self.optim.state
+        self.param_groups = self.optim.param_groups  # (torch makes new group dicts)
+        self.stale.sent.clear()
+        self.stale._this_step = {}
+        self.stale.ready = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError("AsyncSGD keeps the parameter groups it was built with")

@@ -108,6 +108,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         outer = state.pop("diloco", None)
         self.optim.load_state_dict(state)
         self.state = self.optim.state
+        self.param_groups = self.optim.param_groups  # (torch makes new group dicts)
         if outer is None:  # (a checkpoint of another strategy: start the outer loop here)
             self.steps = 0
             for g, p in zip(self.global_params, self._locals(), strict=True):
@@ -119,7 +120,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
                 g.copy_(saved)
         self.outer.load_state_dict(outer["outer"])
 
-    state_kind = "diloco"
+    @property
+    def state_kind(self) -> str:
+        """``diloco``, with the ranks per worker (their shards are kept per rank)."""
+        return f"diloco(shard_size={self.config.shard_size})"
 
     def kept_tensors(self) -> list[torch.Tensor]:
         """What the outer loop holds besides the model and the inner optimizer (for the

@@ -38,7 +38,7 @@ from axon_nb.parallel.ddp import apply_ddp, local_sgd_optimizer
 from axon_nb.parallel.diloco import DiLoCoOptimizer
 from axon_nb.parallel.fsdp import apply_fsdp
 from axon_nb.parallel.grads import clip_grad_norm_
-from axon_nb.parallel.optim_state import on_cpu
+from axon_nb.parallel.optim_state import init_optimizer_state, on_cpu
 from axon_nb.parallel.optimizer_factory import OptimizerFactory
 from axon_nb.parallel.param_groups import GroupPlan, check_built
 from axon_nb.parallel.pipeline import PipelinedModel
@@ -170,14 +170,14 @@ class Layout:
         options = StateDictOptions(full_state_dict=not sharded)
         set_model_state_dict(parallel.model, state["model"], options=options)
         if state["optimizer"] is not None:
+            init_optimizer_state(optimizer)  # (DCP's own init steps DiLoCo's, AsyncSGD's)
             set_optimizer_state_dict(parallel.model, optimizer, state["optimizer"], options=options)
 
 
 @dataclass(frozen=True)
 class DDPLayout(Layout):
     """``data_parallel="ddp"``: every rank holds the whole model in DDP, which all-reduces
-    gradients in buckets (with ``local_sgd``: averages parameters every few steps instead;
-    with ``diloco``: DiLoCo's outer steps every few steps instead)."""
+    gradients in buckets (``local_sgd``, ``diloco``, ``async_sgd``: see their modules)."""
 
     kind: ClassVar[str] = "ddp"
     ddp: DDPConfig

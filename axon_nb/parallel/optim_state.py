@@ -12,7 +12,10 @@ parameter group's own settings (learning rate, weight decay)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 
 def by_name(state_dict: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
@@ -90,6 +93,32 @@ def merge_groups(per_rank: Sequence[Sequence[dict[str, Any]]], order: Sequence[s
         names = {n for groups in per_rank for n in groups[index]["params"]}
         merged.append({**settings(group), "params": sorted(names, key=rank.__getitem__)})
     return merged
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (moments, step counters) with one step of zero gradients
+    at learning rate 0, if it has none yet; the parameters do not change. A sharded load reads
+    into the run's own state, so every state tensor must exist first; DCP's loads make it so
+    themselves, through the optimizer's own step, which DiLoCo's and AsyncSGD's would not
+    leave as it was (an outer step; or none at all in AsyncSGD's first steps)."""
+    import torch
+
+    from axon_nb.parallel.strategy_state import kept_by
+
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own shard
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    if local.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    # (DiLoCo's and AsyncSGD's own step would take an outer step, or skip: the inner one's)
+    (local if kept_by(optimizer) is not None else optimizer).step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
 
 
 def on_cpu(state: Any) -> Any:

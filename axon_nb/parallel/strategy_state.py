@@ -32,11 +32,13 @@ class KeepsState(Protocol):
 
     def strategy_state(
         self, names: dict[int, str], *, local: bool = True
-    ) -> dict[str, torch.Tensor]: ...
+    ) -> dict[str, torch.Tensor]:
+        """The state, tensors by key; with ``local``, this rank's own parts too."""
+        ...
 
-    def load_strategy_state(
-        self, saved: dict[str, torch.Tensor], names: dict[int, str]
-    ) -> None: ...
+    def load_strategy_state(self, saved: dict[str, torch.Tensor], names: dict[int, str]) -> None:
+        """Load what :meth:`strategy_state` gave (after the model and the optimizer)."""
+        ...
 
 
 def kept_by(optimizer: Any) -> KeepsState | None:

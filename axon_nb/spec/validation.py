@@ -133,6 +133,12 @@ def problems(spec: TrainSpec) -> list[str]:
         errors.append(
             f"mixed_precision must be 'bf16', 'fp16' or None, got {spec.mixed_precision!r}"
         )
+    staleness = getattr(spec.strategy, "staleness", None)  # (AsyncSGD's)
+    if spec.mixed_precision == "fp16" and staleness:
+        errors.append(
+            "mixed_precision='fp16' cannot be used with AsyncSGD(staleness > 0): each step "
+            "applies gradients scaled by an earlier step's loss scale; use 'bf16' (no scaler)"
+        )
     errors += _check_loader(spec.loader)
     if not isinstance(spec.compile, bool):
         errors.append(f"compile must be True or False, got {spec.compile!r}")

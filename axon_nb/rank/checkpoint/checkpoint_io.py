@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from axon_nb.parallel.activation_checkpoint import canonical_name
-from axon_nb.parallel.optim_state import SAME_GROUPS, groups_problem
+from axon_nb.parallel.optim_state import SAME_GROUPS, groups_problem, init_optimizer_state
 from axon_nb.parallel.strategy_state import kept_by
 from axon_nb.rank import runtime
 from axon_nb.rank.training import trainstate
@@ -88,6 +88,8 @@ def load(name: str, path: str) -> int:
     if ckpt.kind == "sharded":
         SafeReader(path).check()  # refuse what would run code before anything changes
     with_optimizer = ckpt.trainer["optimizer_state"]
+    if with_optimizer:
+        init_optimizer_state(state.optimizer)  # so the template has every state tensor
     keeper = kept_by(state.optimizer)  # (its state loads from a checkpoint of its own kind)
     if keeper is not None and ckpt.trainer.get("strategy_state") != keeper.state_kind:
         keeper = None
@@ -102,8 +104,6 @@ def load(name: str, path: str) -> int:
             tensors["strategy"] = {k: v for k, v in tensors["strategy"].items()
                                    if not k.startswith("local")}  # fmt: skip
     else:
-        if with_optimizer:
-            init_optimizer_state(state.optimizer)  # so the template has every state tensor
         # The run's own (sharded) state is the template: DCP reads into it, resharding.
         tensors = state.parallel.get_state(state.optimizer, full=False)
         tensors["rng"] = {str(r): torch.get_rng_state() for r in range(ckpt.world_size)}
@@ -327,25 +327,6 @@ def _fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state (moments, step counters) with one step of zero gradients
-    at learning rate 0, if it has none yet; the parameters do not change. A sharded load reads
-    into the run's own state, so every state tensor must exist first."""
-    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own shard
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if local.state or any(p.grad is not None for p in params):
-        return
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
 
 
 def describe(

@@ -1,11 +1,12 @@
 """The ranks' side of the host relay (the kernel's side: ``axon_nb/cluster/relay.py``).
 
 Work for several ranks reaches one rank per host through ipyparallel, the host's *leader*
-(its lowest rank among the targets), in :func:`forward`; the leader passes it on to each
-target rank of its host (itself included) through a local socket, and returns at once. Each
-rank runs its part on its engine's event loop, in the main thread, as ipyparallel runs a
-request (Ctrl-C, output under the part's own message id, abort), then hands back the outcome
-(result or error) from its IOPub thread, after everything the part published:
+(the kernel picks a target rank there, ``cluster/relay.py``), in :func:`forward`; the
+leader passes it on to each target rank of its host (itself included) through a local
+socket, and returns at once. Each rank runs its part on its engine's event loop, in the
+main thread, as ipyparallel runs a request (Ctrl-C, output under the part's own message id,
+abort), then hands back the outcome (result or error) from its IOPub thread, after
+everything the part published:
 
 - a part that published nothing (no output, no display) hands it to the leader, which
   publishes its host's outcomes of the call as one message (``relay_outcomes.py``);
@@ -127,7 +128,12 @@ def _arrived(frames: list[bytes]) -> None:
     else:
         due = order.admit(header["epoch"], header["seq"], (header, frames))
     for part_header, part_frames in due:
-        _run(part_header, part_frames)
+        try:
+            _run(part_header, part_frames)
+        except Exception as e:  # (its outcome could not be made: the parts after it still run)
+            content = {"status": "error", "ename": type(e).__name__, "evalue": str(e),
+                       "traceback": [], "engine_info": {}}  # fmt: skip
+            _hand_back(_kernel(), part_header, content, [], published=False)
 
 
 def _run(header: dict[str, Any], frames: list[bytes]) -> None:
@@ -211,15 +217,16 @@ def run_relayed(kernel: Any, kind: str, payload: bytes) -> tuple[dict[str, Any],
         return _cell_content(kernel, result), []
     try:
         value = run_packed(payload)
+        buffers = serialize_object(  # (a result that cannot be sent fails the part)
+            value,
+            buffer_threshold=kernel.session.buffer_threshold,
+            item_threshold=kernel.session.item_threshold,
+        )
     except BaseException as e:
         with contextlib.suppress(Exception):  # (IPython's formatting, published as a
             shell.showtraceback()  # request's error would be)
         return _error_content(kernel, shell, e, "apply"), []
-    return {"status": "ok"}, serialize_object(
-        value,
-        buffer_threshold=kernel.session.buffer_threshold,
-        item_threshold=kernel.session.item_threshold,
-    )
+    return {"status": "ok"}, buffers
 
 
 def _cell_content(kernel: Any, result: Any) -> dict[str, Any]:
