@@ -81,10 +81,7 @@ def stale_hook(state, bucket):  # (unannotated: DDP checks a hook's annotations)
     if due:
         oldest = state.sent[0]
         for p, at in zip(params, offsets, strict=True):
-            old_work, old_sum, old_at, n = oldest[id(p)]
-            if old_work is not None:  # (None: loaded from a checkpoint)
-                old_work.wait()
-            out[at : at + n] = old_sum[old_at : old_at + n]
+            out[at : at + p.numel()] = _arrived(oldest[id(p)])
     if bucket.is_last():  # (DDP's last bucket of this backward)
         state.sent.append(state._this_step)
         state._this_step = {}
@@ -94,6 +91,14 @@ def stale_hook(state, bucket):  # (unannotated: DDP checks a hook's annotations)
     future = torch.futures.Future()
     future.set_result(out)
     return future
+
+
+def _arrived(sent: Sent) -> torch.Tensor:
+    """A parameter's mean gradient on its way, once its all-reduce is done (flat, a view)."""
+    work, summed, at, n = sent
+    if work is not None:  # (None: loaded from a checkpoint)
+        work.wait()
+    return summed[at : at + n]
 
 
 def _offsets(params: list[torch.Tensor]) -> list[int]:
@@ -186,7 +191,4 @@ def _mean_in(step: dict[int, Sent], p: torch.Tensor) -> torch.Tensor | None:
     """``p``'s mean gradient in ``step`` (waiting for its all-reduce), or None if not there."""
     if id(p) not in step:
         return None
-    work, summed, at, n = step[id(p)]
-    if work is not None:
-        work.wait()
-    return summed[at : at + n].view_as(p).detach().clone()
+    return _arrived(step[id(p)]).view_as(p).detach().clone()

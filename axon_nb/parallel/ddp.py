@@ -24,14 +24,14 @@ def apply_ddp(
     stale: StaleGradients | None = None,
 ) -> DistributedDataParallel:
     """Wrap ``model`` in DDP over ``group`` (the data-parallel ranks) with ``config``'s hook,
-        or with ``local_sgd``: PyTorch's post-local SGD hook, which all-reduces gradients for the
-        warm-up steps and none after (the optimizer then averages parameters, see
-        :func:`local_sgd_optimizer`). ``local_steps``: no gradient all-reduce at all (DiLoCo's
-        inner steps; its optimizer talks, ``parallel/diloco.py``). ``stale``: AsyncSGD's hook, which
-    hands DDP the mean gradients of a few steps ago (``parallel/async_sgd.py``).
+    or with ``local_sgd``: PyTorch's post-local SGD hook, which all-reduces gradients for the
+    warm-up steps and none after (the optimizer then averages parameters, see
+    :func:`local_sgd_optimizer`). ``local_steps``: no gradient all-reduce at all (DiLoCo's
+    inner steps; its optimizer talks, ``parallel/diloco.py``). ``stale``: AsyncSGD's hook,
+    which hands DDP the mean gradients of a few steps ago (``parallel/async_sgd.py``).
 
-        The hook is always a Python one, even for plain fp32: its all-reduce goes through
-        ``torch.distributed.all_reduce``, where the metrics probe measures bytes and time.
+    The hook is always a Python one, even for plain fp32: its all-reduce goes through
+    ``torch.distributed.all_reduce``, where the metrics probe measures bytes and time.
     """
     if ignored:  # parameters synchronised elsewhere (expert parallelism's experts)
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from axon_nb.parallel.strategy_state import local_key
 from axon_nb.spec.parallel_config import DiLoCoConfig
 
 
@@ -147,7 +148,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             state[f"global/{names[id(p)]}"] = _shaped_like(p, g.detach())
             state[f"momentum/{names[id(p)]}"] = _shaped_like(p, momentum)
             if local:
-                state[f"local{rank}/{names[id(p)]}"] = mine.detach()
+                state[local_key(rank, names[id(p)])] = mine.detach()
         return state
 
     @torch.no_grad()
@@ -158,7 +159,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         rank = dist.get_rank()
         for g, p, mine in zip(self.global_params, self._params, self._locals(), strict=True):
             g.copy_(_held(p, saved[f"global/{names[id(p)]}"]))
-            mine.copy_(saved.get(f"local{rank}/{names[id(p)]}", g))
+            mine.copy_(saved.get(local_key(rank, names[id(p)]), g))
             if self.config.outer_momentum > 0:
                 momentum = _held(p, saved[f"momentum/{names[id(p)]}"])
                 self.outer.state[g]["momentum_buffer"] = momentum.to(g).clone()
@@ -170,7 +171,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The part of ``p`` this rank holds: its local shard when ``p`` is a DTensor (FSDP2), which
     shares its storage, else ``p``."""
-    return p.to_local() if hasattr(p, "to_local") else p  # (under no_grad: the tensor itself)
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p  # (under no_grad: the tensor itself)
 
 
 def _shaped_like(p: torch.Tensor, held: torch.Tensor) -> torch.Tensor:

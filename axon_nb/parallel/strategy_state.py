@@ -41,6 +41,16 @@ class KeepsState(Protocol):
         ...
 
 
+def local_key(rank: int, name: str) -> str:
+    """The key of rank ``rank``'s own part of parameter ``name``'s state."""
+    return f"local{rank}/{name}"
+
+
+def is_local(key: str) -> bool:
+    """Whether ``key`` names one rank's own part (see :func:`local_key`)."""
+    return key.startswith("local")
+
+
 def kept_by(optimizer: Any) -> KeepsState | None:
     """``optimizer`` when it keeps state of its strategy's own, else None."""
     return optimizer if isinstance(optimizer, KeepsState) else None

@@ -19,7 +19,7 @@ from torch import nn
 
 from axon_nb.parallel.activation_checkpoint import canonical_name
 from axon_nb.parallel.optim_state import SAME_GROUPS, groups_problem, init_optimizer_state
-from axon_nb.parallel.strategy_state import kept_by
+from axon_nb.parallel.strategy_state import is_local, kept_by
 from axon_nb.rank import runtime
 from axon_nb.rank.training import trainstate
 from axon_nb.rank.training.trainstate import TrainState
@@ -43,9 +43,8 @@ def save(name: str, target: SaveTarget) -> int:
     state = run_named(name, "save")
     ctx = runtime.context()
     tensors = state.parallel.get_state(state.optimizer, full=target.kind == "full")
-    keeper = kept_by(state.optimizer)
-    if keeper is not None:  # (DiLoCo's outer loop, AsyncSGD's gradients in flight)
-        kept = keeper.strategy_state(parameter_names(state))
+    kept = strategy_tensors(state)
+    if kept is not None:
         tensors["strategy"] = _gathered(kept, ctx) if target.kind == "full" else kept
     rng = _gather_rng(ctx)
     error = None
@@ -102,7 +101,7 @@ def load(name: str, path: str) -> int:
         keeper = keeper if tensors["strategy"] is not None else None
         if ckpt.world_size != ctx.world_size and keeper is not None:  # (no rank's own)
             tensors["strategy"] = {k: v for k, v in tensors["strategy"].items()
-                                   if not k.startswith("local")}  # fmt: skip
+                                   if not is_local(k)}  # fmt: skip
     else:
         # The run's own (sharded) state is the template: DCP reads into it, resharding.
         tensors = state.parallel.get_state(state.optimizer, full=False)
@@ -133,12 +132,19 @@ def _gathered(kept: dict[str, Any], ctx: runtime.RankContext) -> dict[str, Any]:
     """A strategy's state for a full checkpoint (every rank calls it: collectives): sharded
     parts whole, and every rank's own parts (``local<rank>/...``) on every rank."""
     whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in kept.items()}
-    own = {k: v.cpu() for k, v in whole.items() if k.startswith("local")}
+    own = {k: v.cpu() for k, v in whole.items() if is_local(k)}
     if ctx.world_size > 1 and own:
         everyone: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(everyone, own)
         own = {k: v for ranks in everyone for k, v in ranks.items()}
-    return {**{k: v for k, v in whole.items() if not k.startswith("local")}, **own}
+    return {**{k: v for k, v in whole.items() if not is_local(k)}, **own}
+
+
+def strategy_tensors(state: TrainState) -> dict[str, Any] | None:
+    """What the run's strategy keeps of its own for a checkpoint (DiLoCo's outer loop,
+    AsyncSGD's gradients in flight: ``parallel/strategy_state.py``), or None."""
+    keeper = kept_by(state.optimizer)
+    return keeper.strategy_state(parameter_names(state)) if keeper is not None else None
 
 
 def parameter_names(state: TrainState) -> dict[int, str]:
@@ -210,10 +216,13 @@ def optimizer_class(optimizer: torch.optim.Optimizer) -> str:
     return type(getattr(optimizer, "optim", optimizer)).__name__
 
 
-def trainer_state(state: TrainState, optimizer_state: bool) -> dict[str, Any]:
+def trainer_state(
+    state: TrainState, optimizer_state: bool, *, strategy_state: bool = True
+) -> dict[str, Any]:
     """The marker's ``trainer`` entry: scheduler and scaler state, whether the checkpoint
-    holds optimizer state, and the kind of the strategy's own state it holds (or None)."""
-    keeper = kept_by(state.optimizer)
+    holds optimizer state, and the kind of the strategy's own state it holds (or None: also
+    when ``strategy_state`` is False)."""
+    keeper = kept_by(state.optimizer) if strategy_state else None
     return {
         "scheduler": state.scheduler.state_dict(),
         "scaler": state.scaler.state_dict() if state.scaler is not None else {},

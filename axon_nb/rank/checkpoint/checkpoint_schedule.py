@@ -23,7 +23,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from axon_nb.parallel.strategy_state import kept_by
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint import checkpoint_io
 from axon_nb.rank.training.trainstate import TrainState
@@ -117,9 +116,9 @@ class PeriodicCheckpoints:
         path = path_for(self.directory, state.step)
         partial = f"{path}.partial-{self.run_id}"
         tensors = state.parallel.get_state(state.optimizer, full=False)
-        keeper = kept_by(state.optimizer)
-        if keeper is not None:  # (copied before the save returns: async_save stages first)
-            tensors["strategy"] = keeper.strategy_state(checkpoint_io.parameter_names(state))
+        kept = checkpoint_io.strategy_tensors(state)
+        if kept is not None:  # (copied before the save returns: async_save stages first)
+            tensors["strategy"] = kept
         # Each rank writes its own random state: the same layout as a gathered one, without
         # a collective at the step boundary.
         tensors["rng"] = {str(self.ctx.rank): torch.get_rng_state()}

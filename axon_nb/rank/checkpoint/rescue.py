@@ -97,10 +97,7 @@ def assemble(name: str, target: SaveTarget, dead: list[int]) -> dict[str, Any]:
         optimizer=checkpoint_io.optimizer_class(state.optimizer),
         model=shapes,
         # (no strategy state: a survivor's stale gradients or outer loop are not gathered)
-        trainer={
-            **checkpoint_io.trainer_state(state, optimizer is not None),
-            "strategy_state": None,
-        },
+        trainer=checkpoint_io.trainer_state(state, optimizer is not None, strategy_state=False),
     )
     checkpoint_io.complete(meta, target.partial, target.path, private=target.private)
     return {"step": state.step, "optimizer_missing": why_not}
