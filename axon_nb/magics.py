@@ -72,6 +72,11 @@ class AxonMagics(Magics):
     @argument("--stop", action="store_true", help="stop the running cluster")
     @argument("--restart", action="store_true", help="stop the running cluster, start anew")
     @argument("--status", action="store_true", help="show the running cluster's ranks")
+    @argument("--resize", default=None, help="add or remove ranks of the running cluster: N")
+    @argument(
+        "--add-host", action="append", default=None,
+        help="--resize across hosts: the new ranks' HOST:SLOTS (again for more hosts)",
+    )  # fmt: skip
     @line_magic
     def axon_cluster(self, line: str) -> None:
         """Start, inspect, restart or stop the kernel's cluster of ranks.
@@ -87,6 +92,7 @@ class AxonMagics(Magics):
             In [4]: %axon_cluster --stop
             In [5]: %axon_cluster 8 --detach --name lab --idle-timeout 2h   # outlives the kernel
             In [6]: %axon_cluster --list
+            In [7]: %axon_cluster --resize 6    # a run in progress goes on with 6 ranks
         """
         args = parse_argstring(self.axon_cluster, line)
         try:
@@ -101,6 +107,8 @@ class AxonMagics(Magics):
             self._status_command()
         elif args.restart:
             self._restart_command(args)
+        elif args.resize is not None or args.add_host:
+            self._resize_command(args.resize, args.add_host)
         elif args.n is None:
             raise UsageError("give the number of ranks, e.g. `%axon_cluster 4` (or --status)")
         elif self.cluster is not None and self.cluster.running:
@@ -311,6 +319,19 @@ class AxonMagics(Magics):
             print("No cluster is running. Start one with `%axon_cluster N`.")
             return
         print(repr(self.cluster))
+        print(self.cluster.table())
+
+    def _resize_command(self, n: str | None, add_hosts: list[str] | None) -> None:
+        if self.cluster is None or not self.cluster.running:
+            raise UsageError("no cluster to resize: start one with `%axon_cluster N`")
+        try:
+            size = int(n) if n is not None else None
+        except ValueError:
+            raise UsageError(f"--resize takes a number of ranks, got {n!r}: --resize 4") from None
+        try:
+            self.cluster.resize(size, add_hosts=",".join(add_hosts) if add_hosts else None)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         print(self.cluster.table())
 
     def _restart_command(self, args: Any) -> None:

@@ -124,6 +124,18 @@ class FeatureDelegates(ClusterLike):
         """
         return features.rescue(**_forward(locals()))
 
+    def resize(self, n: int | None = None, *, add_hosts: Any = None) -> dict[str, Any]:
+        """Add or remove ranks of the running cluster (:func:`axon_nb.cluster.resize.resize`):
+        the ranks with the highest numbers leave, new ones start in a second launch, and a
+        run in progress (``block=False``) goes on in the new world from its next step, its
+        global batch kept. ``add_hosts``: where new ranks go on a cluster across hosts
+        (``"node3:2"``). Returns what changed. Example::
+
+            handle = cluster.train(..., block=False)
+            cluster.resize(4)          # 2 -> 4 ranks; the run goes on at its next step
+        """
+        return features.resize(**_forward(locals()))
+
     def handle(self, name: str = "model") -> TrainHandle | KeptHandle:
         """Run ``name``'s handle: this kernel's own run, or on a detached cluster the run
         any kernel started, read from the cluster's directory (``train/kept_handle.py``)."""

@@ -6,6 +6,7 @@ can import them here without an import circle.
 
 from axon_nb.checkpoint.on_cluster import load, rescue, save
 from axon_nb.cluster.bandwidth import bandwidth
+from axon_nb.cluster.resize import resize
 from axon_nb.train.compare import compare
 from axon_nb.train.evaluate import evaluate
 from axon_nb.train.generate import generate
@@ -13,5 +14,6 @@ from axon_nb.train.on_cluster import train
 from axon_nb.train.predict import predict
 
 __all__ = [
-    "bandwidth", "compare", "evaluate", "generate", "load", "predict", "rescue", "save", "train",
+    "bandwidth", "compare", "evaluate", "generate", "load", "predict", "rescue", "resize", "save",
+    "train",
 ]  # fmt: skip

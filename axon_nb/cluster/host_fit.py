@@ -44,9 +44,10 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def check_fits_here(options: ClusterOptions) -> None:
+def check_fits_here(options: ClusterOptions, running: int = 0) -> None:
     """Raise :class:`ClusterStartError` saying what to change when ``options`` ask this host
-    for devices, cores or memory it lacks. Example::
+    for devices, cores or memory it lacks (``running``: ranks already up, a resize's, whose
+    memory is taken already). Example::
 
         check_fits_here(ClusterOptions(n=6))
         # ClusterStartError: 6 ranks on 2 cores: start at most 2, or pass --oversubscribe ...
@@ -75,9 +76,10 @@ def check_fits_here(options: ClusterOptions) -> None:
             "(`Cluster(..., oversubscribe=True)`) to share them anyway"
         )
     available = psutil.virtual_memory().available
-    if options.n * RANK_BYTES > available:
+    starting = options.n - running
+    if starting * RANK_BYTES > available:
         problems.append(
-            f"{options.n} ranks need about {options.n * RANK_BYTES / 2**30:.1f} GiB and this "
+            f"{starting} ranks need about {starting * RANK_BYTES / 2**30:.1f} GiB and this "
             f"host has {available / 2**30:.1f} GiB free: start at most "
             f"{max(1, available // RANK_BYTES)}, or add hosts with --hosts"
         )

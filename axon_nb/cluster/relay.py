@@ -213,6 +213,16 @@ def register(client: ipp.Client, routes: dict[int, tuple[str, str]]) -> None:
     _relays[client] = Relay(client, routes)
 
 
+def reroute(client: ipp.Client, routes: dict[int, tuple[str, str]]) -> None:
+    """``client``'s ranks are now ``routes`` (a resize): the relay keeps its name and counts,
+    so the ranks that stay run their parts in order as before; a new rank counts from 1."""
+    relay = _relays.get(client)
+    if relay is None:
+        register(client, routes)
+    else:
+        relay.routes = dict(routes)
+
+
 def relay_of(client: ipp.Client) -> Relay | None:
     """``client``'s relay, once registered."""
     return _relays.get(client)

@@ -141,12 +141,21 @@ def _send(proc: psutil.Process, sig: int) -> None:
 def launcher_pids(ipp_cluster: Any, *, engines: bool = True, controller: bool = True) -> list[int]:
     """Pids of the processes an ``ipyparallel.Cluster`` started: the engine launchers
     (``mpiexec``, or each local engine's parent) and the controller."""
-    launchers: list[Any] = []  # (ipyparallel launchers)
-    for engine_set in ipp_cluster.engines.values() if engines else []:
-        # (a local engine set is one launcher per engine; an MPI set is one mpiexec)
-        launchers += getattr(engine_set, "launchers", {}).values() or [engine_set]
+    pids = [
+        p for s in (ipp_cluster.engines.values() if engines else []) for p in launcher_pids_of(s)
+    ]
     if controller and ipp_cluster.controller is not None:
-        launchers.append(ipp_cluster.controller)
+        pids += _pids([ipp_cluster.controller])
+    return pids
+
+
+def launcher_pids_of(engine_set: Any) -> list[int]:
+    """Pids of one engine set's launchers (a local engine set is one launcher per engine;
+    an MPI set is one ``mpiexec``; a resize adds a set)."""
+    return _pids(getattr(engine_set, "launchers", {}).values() or [engine_set])
+
+
+def _pids(launchers: Any) -> list[int]:
     return [
         launcher.process.pid
         for launcher in launchers

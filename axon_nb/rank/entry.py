@@ -49,11 +49,56 @@ def probe_by_engine_id(world_size: int) -> Probe:
     return bootstrap.probe(rank, rank, world_size)
 
 
-def join_world(plan: RankPlan, timeout_s: float, watch_dir: str | None) -> dict[str, Any]:
-    """Without MPI: join the torch world as the kernel planned."""
+def join_world(
+    plan: RankPlan, timeout_s: float, watch_dir: str | None, store_name: str | None = None
+) -> dict[str, Any]:
+    """Without MPI: join the torch world as the kernel planned (``store_name``: a resize's
+    rendezvous file, which the ranks that stay join too)."""
     from axon_nb.rank.world import bootstrap
 
-    return bootstrap.join_world(plan, timeout_s, watch_dir=watch_dir)
+    return bootstrap.join_world(plan, timeout_s, watch_dir=watch_dir, store_name=store_name)
+
+
+# -- resizing the world (cluster/resize.py; rank/world/resize.py) ----------------------------
+
+
+def probe_for_resize(spec: BootstrapSpec) -> Probe:
+    """This engine's facts for a resize's plan, its engine id as its rank (the kernel fills in
+    its place on its host)."""
+    from IPython import get_ipython
+
+    from axon_nb.rank.world import bootstrap
+
+    rank = int(get_ipython().kernel.engine_id)
+    return bootstrap.probe(rank, 0, 0, spec)
+
+
+def leave_for_resize(keep: str | None) -> dict[str, Any]:
+    """(Every old rank) pack the run ``keep``, drop the rest built on the old world, leave it."""
+    from axon_nb.rank.world import resize
+
+    return resize.leave_for_resize(keep)
+
+
+def retire() -> int:
+    """(A rank a resize removes) end this engine once it answered; its pid."""
+    from axon_nb.rank.world import resize
+
+    return resize.retire()
+
+
+def rejoin(plan: RankPlan, store_name: str) -> dict[str, Any]:
+    """(A rank a resize keeps) join the resized world with the same rank and device."""
+    from axon_nb.rank.world import resize
+
+    return resize.rejoin(plan, store_name)
+
+
+def hold_moved(name: str) -> None:
+    """(Every rank of the resized world) the run ``name`` is rebuilt by its next call."""
+    from axon_nb.rank.training import moved_run
+
+    moved_run.hold(name)
 
 
 def free_port() -> int:

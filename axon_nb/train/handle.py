@@ -8,6 +8,7 @@ dashboard, the text bar, the messages at its end). It waits for the ranks' resul
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
@@ -71,6 +72,11 @@ class TrainHandle:
             world_size=len(targets),
             title=f"{spec.name} · {spec.strategy.name} · {len(targets)} ranks{where}",
         )
+        self._segments: list[TrainResult] = []
+        """What the run did before each ``cluster.resize`` moved it to another world."""
+        self._resizes: list[dict[str, Any]] = []
+        self._listeners: list[MetricsListener] = []
+        """The listeners a paused run's stream handed over, for the stream it goes on in."""
         self._stream = RunStream(cluster, ar, targets, run)
         hang_timeout = cluster.options.hang_timeout
         if hang_timeout is not None:  # (first: a hang cleared at the end, then the freeze)
@@ -105,7 +111,7 @@ class TrainHandle:
         """Steps streamed so far, in :class:`TrainResult`'s ``history`` format."""
         if self._result is not None:
             return self._result.history
-        return self._stream.history()
+        return [*(h for s in self._segments for h in s.history), *self._stream.history()]
 
     @property
     def latest(self) -> dict[int, dict[str, Any]]:
@@ -137,11 +143,66 @@ class TrainHandle:
                     "again, or stop() to end it at the next step"
                 )
             parts = self._wait_for_ranks()
-            self._result = build_result(
-                results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
+            self._result = self._whole(
+                build_result(
+                    results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
+                )
             )
             self._presenter.report(self._result)
         return self._result
+
+    def _whole(self, last: TrainResult) -> TrainResult:
+        """The result of the whole run: ``last`` after what it did before its resizes."""
+        if not self._segments:
+            return last
+        first = self._segments[0]
+        history = [h for s in self._segments for h in s.history] + last.history
+        return dataclasses.replace(
+            last, start_step=first.start_step, history=history, resizes=list(self._resizes)
+        )
+
+    # -- cluster.resize moves a run in progress to the new world (cluster/resize.py) ----------
+
+    def _pause(self) -> TrainResult:
+        """Stop the run at the next step boundary on every rank and keep what it did (its
+        listeners are kept for :meth:`_carry_on`); what it did, ``finished`` if it had."""
+        self._listeners = self._stream.hand_over()
+        if not self.done:
+            self._cluster.interrupt(self._targets)
+        try:
+            parts = self._sent.parts(soft_stop_s=SOFT_STOP_S, watch_hangs=False)
+        except BaseException:
+            self._stream.take_back()
+            raise
+        self._stream.join(timeout=LAST_PUBLICATION_S + MONITOR_S * 50)
+        segment = build_result(
+            results(parts), name=self._spec.name, strategy=self._spec.strategy.describe()
+        )
+        self._segments.append(segment)
+        return segment
+
+    def _carry_on(
+        self, sent: Sent, spec: TrainSpec, run: str, resize: dict[str, Any] | None
+    ) -> None:
+        """The paused run goes on as ``sent`` (``spec``; on the resized world, ``resize`` its
+        record, or on the same world after a resize failed); its dashboard and listeners
+        follow it."""
+        self._sent, self._ar, self._targets, self._spec = sent, sent.ar, sent.targets, spec
+        self._stream = RunStream(self._cluster, sent.ar, sent.targets, run)
+        for listener in self._listeners:
+            self._stream.add_listener(listener)
+        if resize is not None:
+            self._resizes.append(resize)
+            self._presenter.dashboard.resized(resize["from"], resize["to"], resize["step"])
+        self._stream.start()
+
+    def _end_paused(self) -> None:
+        """The paused run does not go on (it had finished, or the resize failed): its result
+        is what it did, and its listeners get its end."""
+        self._stream.take_back()
+        last = self._segments.pop()
+        self._result = self._whole(last)
+        self._presenter.report(self._result)
 
     def _wait_for_ranks(self) -> dict[int, ipp.AsyncResult]:
         try:

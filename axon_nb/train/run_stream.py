@@ -60,6 +60,9 @@ class RunStream:
         self._lock = threading.Lock()
         self._failed = threading.Event()
         """Set by :meth:`abandon`: the monitor stops, even with ranks still running."""
+        self._handed_over = False
+        """Set by :meth:`hand_over`: the run goes on in another stream (a resize), so its end
+        is not the listeners' end."""
         self._monitor = threading.Thread(target=self._watch, name="axon-train-monitor", daemon=True)
 
     # --- what the handle asks ---
@@ -76,6 +79,24 @@ class RunStream:
         """Stop reading although ranks may still run: a rank failed, and results that may
         never come are not waited for (recovery restarts them all, or one is stuck)."""
         self._failed.set()
+
+    def hand_over(self) -> list[MetricsListener]:
+        """The run goes on in another stream (``cluster.resize`` stopped it to go on in a new
+        world): the listeners get what this one still reads, but not its end. They are
+        returned, for the next stream."""
+        with self._lock:
+            self._handed_over = True
+            return list(self._book.listeners)
+
+    def take_back(self) -> None:
+        """Undo :meth:`hand_over` (the run does not go on after all): the listeners get its
+        end, now if it has ended."""
+        with self._lock:
+            self._handed_over = False
+        self._monitor.join(timeout=LAST_PUBLICATION_S + MONITOR_S * 50)
+        with self._lock:
+            if self._book.ended is None:
+                self._book.end(self._failures())
 
     def poll(self) -> None:
         """Read what the ranks have published since the last poll."""
@@ -132,7 +153,8 @@ class RunStream:
         self.poll()
         failures = self._failures()
         with self._lock:
-            self._book.end(failures)
+            if not self._handed_over:
+                self._book.end(failures)
 
     def _failures(self) -> dict[int, str]:
         failures = {

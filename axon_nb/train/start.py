@@ -16,7 +16,7 @@ from axon_nb.train.dask_data import place
 from axon_nb.train.handle import TrainHandle
 
 if TYPE_CHECKING:
-    from axon_nb.cluster.transport import ClusterLike
+    from axon_nb.cluster.transport import ClusterLike, Sent
 
 
 def start_run(
@@ -28,6 +28,22 @@ def start_run(
     label: str | None = None,
 ) -> TrainHandle:
     """Send ``spec`` to every rank and return the run's handle at once."""
+    work, run = send_run(cluster, spec)
+    handle = TrainHandle(cluster, work, spec, run, label=label)
+    for note in notes:
+        handle.dashboard.note(note)
+    cluster.last_run = handle
+    if show:
+        handle.show()
+    return handle
+
+
+def send_run(cluster: ClusterLike, spec: TrainSpec) -> tuple[Sent, str]:
+    """Send ``spec`` to every rank (its data shared or placed first); the sent work and the
+    run's id (its publications carry it). Example::
+
+        sent, run = send_run(cluster, spec)
+    """
     targets = cluster.targets()
     run = uuid.uuid4().hex[:12]
     sent = spec
@@ -42,11 +58,4 @@ def start_run(
         sent = dataclasses.replace(sent, eval_data=shared_eval)  # the same way as data
     if cluster.detached is not None:  # (for kernels that attach later)
         cluster.detached.note_run(spec.name, run, spec.steps, targets, spec.strategy.describe())
-    work = cluster.send(entry.train, sent, run)  # (pickled once, with the call)
-    handle = TrainHandle(cluster, work, spec, run, label=label)
-    for note in notes:
-        handle.dashboard.note(note)
-    cluster.last_run = handle
-    if show:
-        handle.show()
-    return handle
+    return cluster.send(entry.train, sent, run), run  # (pickled once, with the call)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from axon_nb.spec.world_change import describe_change
+
 STALL_AFTER_S = 10.0
 """A running rank with no publication for this long is shown as stalled."""
 MAX_POINTS = 400
@@ -55,6 +57,8 @@ class DashboardState:
         self._pending: list[tuple[int, float]] = []
         self._pending_evals: list[dict[str, Any]] = []
         self.frozen = False
+        self.left: set[int] = set()
+        """Ranks a resize removed (``cluster.resize``): their rows stay, marked ``left``."""
 
     # -- input -----------------------------------------------------------------------------
 
@@ -110,6 +114,18 @@ class DashboardState:
             for step in [s for s in losses if s <= newest and s not in kept]:
                 del losses[step]
 
+    def resize(self, old: int, new: int, step: int) -> None:
+        """The run goes on with ``new`` ranks from ``step`` (it had ``old``): a note says
+        which ranks joined or left; rows cover every rank the run had, those that left marked
+        so; the ranks' earlier statuses are let go (each publishes anew)."""
+        self.notes.append(f"{describe_change(old, new)} at step {step} ({old} -> {new} ranks)")
+        self.left = {r for r in self.left | set(range(new, old)) if r >= new}
+        self.world_size = max(self.world_size, new, old)
+        for rank in range(self.world_size):
+            self.rank_loss.setdefault(rank, {})
+        self.latest = {r: m for r, m in self.latest.items() if r in self.left}
+        self.frozen = False
+
     def fail(self, rank: int, error: str) -> None:
         """Mark ``rank`` failed (an error seen by the kernel, e.g. before it ever published)."""
         self.errors[rank] = error
@@ -121,7 +137,10 @@ class DashboardState:
     # -- output ----------------------------------------------------------------------------
 
     def status(self, rank: int, now: float | None = None) -> str:
-        """``waiting``, ``running``, ``finished``, ``stopped``, ``failed`` or ``stalled``."""
+        """``waiting``, ``running``, ``finished``, ``stopped``, ``failed``, ``stalled`` or
+        ``left`` (a resize removed it)."""
+        if rank in self.left:
+            return "left"
         if rank in self.errors:
             return "failed"
         message = self.latest.get(rank)
@@ -138,7 +157,9 @@ class DashboardState:
             return {"step": 0, "total": 0, "start": 0, "elapsed_s": 0.0, "eta_s": None,
                     "samples_per_s": 0.0, "loss": None, "checkpoint": None,
                     "notes": list(self.notes)}  # fmt: skip
-        messages = list(self.latest.values())
+        messages = [m for r, m in self.latest.items() if r not in self.left]
+        if not messages:  # (just resized: the new world has not published yet)
+            messages = list(self.latest.values())
         step = min(m["step"] for m in messages)
         start = messages[0]["start_step"]
         total = messages[0]["total_steps"]

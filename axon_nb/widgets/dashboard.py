@@ -100,6 +100,13 @@ class Dashboard(anywidget.AnyWidget):
             self.state.notes.append(text)
             self._refresh(full=False)
 
+    def resized(self, old: int, new: int, step: int) -> None:
+        """The run went on in a world of ``new`` ranks from ``step`` (``cluster.resize``):
+        the ranks that left stay as rows marked so, the new ones join, the run goes on."""
+        with self._lock:
+            self.state.resize(old, new, step)
+            self._refresh(full=True)
+
     def show_hang(self, report: str) -> None:
         """Show a hang report (``%axon_cluster --hang-timeout``); ``""`` clears it."""
         with self._lock:

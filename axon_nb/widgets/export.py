@@ -42,6 +42,7 @@ STATUS_COLORS = {
     "failed": "#f8c4c4",
     "stalled": "#ffd8a8",
     "waiting": "#eeeeee",
+    "left": "#f1f3f5",
 }
 MAX_DOTS = 200
 """Evaluation points get a dot each up to this many; beyond, the dashed line alone."""

@@ -26,7 +26,7 @@ from axon_nb.metrics.stream import MetricsPublisher
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.observe.step_trace import StepTrace
-from axon_nb.rank.training import model_loss
+from axon_nb.rank.training import model_loss, moved_run
 from axon_nb.rank.training.agreement import PeerFailed, StepAgreement
 from axon_nb.rank.training.build import Batches, fresh
 from axon_nb.rank.training.evaluation import PeerEvalFailed
@@ -148,7 +148,10 @@ def _prepare(
     spec: TrainSpec, ctx: runtime.RankContext
 ) -> tuple[TrainState, Batches, PeriodicEval | None]:
     """The run's state (fresh or resumed), its data and its evaluations."""
-    return resume(spec, ctx) if spec.resume else fresh(spec, ctx)
+    if spec.resume:
+        return resume(spec, ctx)
+    moved_run.forget(spec.name)  # (a fresh run replaces one a resize moved)
+    return fresh(spec, ctx)
 
 
 class _Loop:

@@ -48,8 +48,10 @@ def copy_run(spec: TrainSpec, ctx: runtime.RankContext, source: TrainState) -> T
     scheduler = _scheduler_source(spec, source)
     full = source.parallel.get_state(source.optimizer, full=True, every_rank=True)
     full = _copied(full)  # (on CPU ranks it may share storage with the source's tensors)
-    optimizer_cls = _optimizer_class(source.optimizer)
-    new = _build(spec.strategy, make(), full, optimizer_cls, source.parallel.groups, ctx, spec)
+    optimizer_cls = optimizer_class(source.optimizer)
+    new = build_layout(
+        spec.strategy, make(), full, optimizer_cls, source.parallel.groups, ctx, spec
+    )
     return _state(spec, source, new, source.scheduler.state_dict(), scheduler, change=None)
 
 
@@ -61,14 +63,14 @@ def relayout(spec: TrainSpec, ctx: runtime.RankContext, state: TrainState) -> Tr
     if scheduler is not None:  # refused while the run can still go on as it was
         _try_scheduler(scheduler, state.optimizer)
     full = state.parallel.get_state(state.optimizer, full=True, every_rank=True)
-    optimizer_cls = _optimizer_class(state.optimizer)
+    optimizer_cls = optimizer_class(state.optimizer)
     scheduler_state = state.scheduler.state_dict()
     groups, old = state.parallel.groups, state.strategy
     _let_go(state)
     try:
-        new = _build(spec.strategy, make(), full, optimizer_cls, groups, ctx, spec)
+        new = build_layout(spec.strategy, make(), full, optimizer_cls, groups, ctx, spec)
     except Exception:  # the run as it was, from the copy
-        back = _build(old, make(), full, optimizer_cls, groups, ctx, spec)
+        back = build_layout(old, make(), full, optimizer_cls, groups, ctx, spec)
         as_before = dataclasses.replace(spec, strategy=old, name=state.name)
         _state(as_before, state, back, scheduler_state, scheduler, change=None)
         raise
@@ -139,7 +141,7 @@ def _try_scheduler(scheduler: SchedulerFactory, optimizer: torch.optim.Optimizer
                     group[key] = value
 
 
-def _optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
+def optimizer_class(optimizer: torch.optim.Optimizer) -> type[torch.optim.Optimizer]:
     """The ``torch.optim`` class under ``optimizer`` (a ZeRO wrapper keeps it as ``optim``)."""
     inner: torch.optim.Optimizer = getattr(optimizer, "optim", optimizer)
     return type(inner)
@@ -185,7 +187,7 @@ def _let_go(state: TrainState) -> None:
     state.parallel = state.optimizer = state.scheduler = None  # type: ignore[assignment]  # let go
 
 
-def _build(
+def build_layout(
     strategy: Strategy,
     model: nn.Module,
     full: dict[str, Any],

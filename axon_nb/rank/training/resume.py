@@ -7,7 +7,8 @@ What a resumed call may change, and what it keeps:
   group that set them itself (``param_groups=``, ``no_decay=``); the groups themselves stay;
 - the built-in schedule (``schedule=``, ``warmup_steps=``), counted from the run's start; a
   run with its own ``scheduler=`` keeps it and its learning rate;
-- the strategy: the run moves to it in memory (``relayout.py``).
+- the strategy: the run moves to it in memory (``relayout.py``);
+- the world size, after ``cluster.resize``: the run is laid out again (``moved_run.py``).
 
 Example (what the loop does for ``resume=True``)::
 
@@ -21,7 +22,7 @@ from typing import Any
 from axon_nb.parallel.param_groups import GroupPlan, plan_groups
 from axon_nb.rank import runtime
 from axon_nb.rank.data.shards import resolve_dataset
-from axon_nb.rank.training import trainstate
+from axon_nb.rank.training import moved_run, trainstate
 from axon_nb.rank.training.build import Batches, evaluations, step_batches
 from axon_nb.rank.training.periodic_eval import PeriodicEval
 from axon_nb.rank.training.relayout import relayout
@@ -39,7 +40,14 @@ def resume(
 
         state, batches, evals = resume(spec, runtime.context())
     """
+    if moved_run.pending(spec.name):  # a resize moved it to this world: laid out again
+        moved_run.rebuild(spec, ctx)
     state = trainstate.get(spec.name)
+    if spec.data is None and state.dataset is None:
+        raise ValueError(
+            f"{spec.name!r} was moved to this world by a resize and has no data on the new "
+            "ranks: pass data= again with resume=True"
+        )
     dataset = state.dataset if spec.data is None else resolve_dataset(spec.data, ctx.rank)
     batches = step_batches(spec, ctx, dataset)
     plan = state.parallel.groups

@@ -68,10 +68,12 @@ def join_world(
     *,
     watch_dir: str | None = None,
     kernel_host: str | None = None,
+    store_name: str | None = None,
 ) -> dict[str, Any]:
     """Bind the device, export the torchrun environment and initialize the process group.
 
-    With ``watch_dir``, the rank then answers stack requests there (``rank/observe/watch.py``).
+    With ``watch_dir``, the rank then answers stack requests there (``rank/observe/watch.py``);
+    ``store_name``: the rendezvous file's name (``world.init_process_group``).
     """
     import torch
     import torch.distributed as dist
@@ -79,7 +81,7 @@ def join_world(
     if dist.is_initialized():
         raise RuntimeError("this engine already belongs to a process group; restart the cluster")
     all_local = plan.master_addr == "127.0.0.1"
-    os.environ.update(_torchrun_env(plan))
+    os.environ.update(torchrun_env(plan))
     iface = _loopback_interface() if all_local else plan.iface
     if iface:  # gloo and NCCL listen and connect on this network only
         os.environ.setdefault("GLOO_SOCKET_IFNAME", iface)
@@ -107,9 +109,9 @@ def join_world(
         store_dir=watch_dir if all_local and kernel_host in (None, plan.host) else None,
         private_dir=watch_dir if watch_dir and os.path.isdir(watch_dir) else None,
     )
-    world.init_process_group(ctx)
+    world.init_process_group(ctx, store_name)
     runtime.set_context(ctx)
-    _predefine_names(ctx)
+    predefine_names(ctx)
     # What the rank holds now (torch, the engine, the world) lives as long as the rank: out of
     # the cycle collector's sight, every collection (Python's own while training, the group
     # ledger's) walks only what came after, a fraction of the 300,000 objects.
@@ -134,7 +136,7 @@ def _ignore_notices_between_runs() -> None:
         signal.signal(notice_signum(os.environ.get(ENV, "USR2")), signal.SIG_IGN)
 
 
-def _torchrun_env(plan: RankPlan) -> dict[str, str]:
+def torchrun_env(plan: RankPlan) -> dict[str, str]:
     return {
         "RANK": str(plan.rank),
         "WORLD_SIZE": str(plan.world_size),
@@ -145,7 +147,7 @@ def _torchrun_env(plan: RankPlan) -> dict[str, str]:
     }
 
 
-def _predefine_names(ctx: runtime.RankContext) -> None:
+def predefine_names(ctx: runtime.RankContext) -> None:
     """Put ``rank``, ``world_size``, ``local_rank`` and ``device`` in the engine's namespace."""
     from IPython import get_ipython
 

@@ -14,7 +14,11 @@ engines are. The import runs off the main thread, so a Ctrl-C cannot land inside
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import threading
+
+from axon_nb.spec.world_change import ID_BASE_ENV
 
 
 def _import_torch() -> None:
@@ -35,12 +39,22 @@ def main() -> None:
     ipykernel_sigint.install(hold_during_imports=True)  # Ctrl-C never ends the engine
     if nanny is not None:
         nanny.replace_ipyparallel_start()
+    _request_engine_id()
 
     try:
         engine_main()
     except RuntimeError:
         if not _asked_to_shut_down():
             raise
+
+
+def _request_engine_id() -> None:
+    """Under :data:`ID_BASE_ENV`, ask for engine id ``base + PMI_RANK`` (MPICH's process
+    managers set ``PMI_RANK``: the rank in this launch, not in the torch world)."""
+    base = os.environ.get(ID_BASE_ENV)
+    if base is not None:
+        engine_id = int(base) + int(os.environ.get("PMI_RANK", "0"))
+        sys.argv.append(f"--IPEngine.id={engine_id}")
 
 
 def _asked_to_shut_down() -> bool:

@@ -45,6 +45,7 @@ from axon_nb.spec.notice_signal import notice_signum
 from axon_nb.spec.shared_data import leftovers
 from axon_nb.spec.stop_waits import TERM_S
 from axon_nb.spec.warm_engines import SERVER_ENV
+from axon_nb.spec.world_change import RETIRED_EXIT
 
 LOG_ENV = "AXON_NB_ENGINE_LOG"
 """The file the engine's output goes to (set by ``cluster/launchers.py``)."""
@@ -147,6 +148,9 @@ def main(argv: list[str]) -> int:
         pass_on(signal.SIGTERM, None)
     code = _wait(child, stopping)
     _remove_shared_files(child.pid)
+    if code == RETIRED_EXIT and stopping.since is None:  # a resize let it go: keep the slot
+        _park(stopping)
+        return 0
     if code >= 0:
         return code
     if stopping.since is not None:  # ended by the stop: not a failure
@@ -154,9 +158,14 @@ def main(argv: list[str]) -> int:
     # Killed by a signal. Exiting now would close this rank's MPI connection unfinished, on
     # which the process manager ends every other rank: keep the slot until the cluster stops.
     print(f"axon_nb: engine {child.pid} was killed by signal {-code}", file=sys.stderr, flush=True)
+    _park(stopping)
+    return 128 - code
+
+
+def _park(stopping: _Stopping) -> None:
+    """Hold this rank's MPI slot, sleeping, until the cluster stops (SIGTERM or SIGHUP)."""
     while stopping.since is None:
         signal.pause()
-    return 128 - code
 
 
 def _send_quietly(child: subprocess.Popen[bytes] | ForkedEngine, signum: int) -> None:

@@ -93,9 +93,10 @@ def collectives_issued() -> dict[str, int]:
     return counts
 
 
-def init_process_group(ctx: runtime.RankContext) -> None:
+def init_process_group(ctx: runtime.RankContext, store_name: str | None = None) -> None:
     """``init_process_group`` for ``ctx``'s rank, recording the sockets its store and groups
-    open (see :data:`_world_sockets`)."""
+    open (see :data:`_world_sockets`). ``store_name``: the file store's name where the ranks
+    did not join the same worlds before (a resize's new ranks); by default they count them."""
     import torch.distributed as dist
 
     global _worlds_joined
@@ -104,7 +105,8 @@ def init_process_group(ctx: runtime.RankContext) -> None:
     if ctx.store_dir is not None:
         # A fresh file for every world this rank joins (ranks join and re-form together, so
         # they count alike): a severed world's store may be left behind.
-        path = os.path.join(ctx.store_dir, f"store-{ctx.master_port}-{_worlds_joined}")
+        name = store_name or f"store-{ctx.master_port}-{_worlds_joined}"
+        path = os.path.join(ctx.store_dir, name)
         store = dist.FileStore(path, ctx.world_size)
     else:
         store = _tcp_store(ctx)
@@ -166,6 +168,17 @@ def _tcp_store(ctx: runtime.RankContext) -> Any:
 
 def reform(master_port: int) -> dict[str, object]:
     """Destroy the current process group and join a fresh one on ``master_port``."""
+    leave()
+    os.environ["MASTER_PORT"] = str(master_port)
+    fresh = dataclasses.replace(runtime.context(), master_port=master_port)
+    init_process_group(fresh)
+    runtime.set_context(fresh)
+    return fresh.summary()
+
+
+def leave() -> None:
+    """Destroy this rank's process groups (the world and every group made in it) and forget
+    what named them; the rank then belongs to no world until it joins one."""
     import torch.distributed as dist
 
     from axon_nb.parallel import group_ledger
@@ -180,8 +193,3 @@ def reform(master_port: int) -> dict[str, object]:
         with contextlib.suppress(Exception):
             kept_world.destroy_world()
     gc.collect()  # let the old group close its sockets before the new one opens any
-    os.environ["MASTER_PORT"] = str(master_port)
-    fresh = dataclasses.replace(runtime.context(), master_port=master_port)
-    init_process_group(fresh)
-    runtime.set_context(fresh)
-    return fresh.summary()
