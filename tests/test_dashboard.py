@@ -209,3 +209,26 @@ def test_a_run_without_a_layout_change_shows_no_marker(tmp_path: Path) -> None:
     assert result.layout_change is None
     axes = result.plot().axes[0]
     assert not axes.texts and all("→" not in line.get_label() for line in axes.get_lines())
+
+
+def test_a_resized_run_shows_the_ranks_that_joined_and_left() -> None:
+    """``cluster.resize`` during a run: the dashboard goes on (not frozen by the first
+    world's end), notes the change, and keeps rows for ranks that left, marked so."""
+    dashboard = Dashboard(2, title="model")
+    first = STREAM["finished"]["messages"]
+    for rank, message in first[: len(first) // 2]:
+        dashboard.message(rank, message)
+    dashboard.done({})  # (what a first world's end would do, were it not handed over)
+    dashboard.resized(2, 4, 60)
+    assert not dashboard.frozen
+    assert "ranks 2-3 joined at step 60 (2 -> 4 ranks)" in dashboard.progress["notes"]
+    assert [r["status"] for r in dashboard.ranks] == ["waiting"] * 4  # until they publish
+    for rank, message in first[len(first) // 2 :]:
+        dashboard.message(rank + 2, message)  # (the new world's ranks publish)
+    rows = dashboard.state.snapshot()["ranks"]  # (the widget's copy is throttled)
+    assert [r["status"] for r in rows][2:] == ["finished", "finished"]
+    dashboard.resized(4, 1, 120)
+    statuses = [r["status"] for r in dashboard.ranks]
+    assert statuses == ["waiting", "left", "left", "left"]
+    assert "ranks 1-3 left at step 120 (4 -> 1 ranks)" in dashboard.progress["notes"]
+    assert len(dashboard.loss["per_rank"]) == 4 and len(dashboard.memory) == 4

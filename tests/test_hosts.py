@@ -21,9 +21,10 @@ from models import make_data, make_mlp, mse
 from netns_hosts import IFACE, NetnsHosts, missing
 from other_users import assert_nothing_got, print_marker, probe_as_stranger
 from other_users import missing as users_missing
+from resize_runs import resize_during_run
 
 import axon_nb
-from axon_nb import FSDP
+from axon_nb import DDP, FSDP
 from axon_nb.cluster.dask_on_ranks import workers_by_rank
 from axon_nb.errors import RankDiedError
 
@@ -121,6 +122,26 @@ def test_ranks_on_two_hosts_train_listen_on_their_network_and_leave_nothing(
         assert time.monotonic() - killed[0] < 15
     # each host's proxy ends its ranks once mpiexec's ssh connection to it closes: soon after
     assert _left_after(hosts, seconds=20) == [[], [], []]  # nothing left anywhere
+
+
+def test_a_run_goes_on_through_resizes_across_two_hosts(hosts: NetnsHosts) -> None:
+    """Grown onto a slot more on each host (``add_hosts``: a second hydra launch over ssh)
+    and shrunk again, each during a run that then equals ``train_local``."""
+    a, b = hosts.addresses[:2]
+    cluster = axon_nb.Cluster(n=2, hosts=f"{a}:1,{b}:1", iface=IFACE, timeout=60,
+                              start_timeout=120)  # fmt: skip
+    with cluster:
+        resize_during_run(cluster, DDP(), 4, add_hosts=f"{a}:1,{b}:1")
+        first, second = hosts.names[:2]
+        assert [(r["host"], r["local_rank"], r["local_world_size"]) for r in cluster.ranks] == [
+            (first, 0, 2), (second, 0, 2), (first, 1, 2), (second, 1, 2),
+        ]  # fmt: skip
+        store = f"tcp://{a}:{cluster.ranks[0]['master_port']}"
+        assert {r["store"] for r in cluster.ranks} == {store}
+        assert cluster.options.hosts == ((a, 2), (b, 2))
+        resize_during_run(cluster, FSDP(), 2)
+        assert [r["host"] for r in cluster.ranks] == [first, second]
+    assert _left_after(hosts, seconds=20) == [[], [], []]  # retired ranks' parents too
 
 
 def _shard_group() -> list[int]:

@@ -9,44 +9,29 @@ the new size. What cannot be kept is refused before anything changes, or dropped
 from __future__ import annotations
 
 import dataclasses
-import functools
+import sys
 import time
 from typing import Any
 
 import pytest
 import torch
-from equivalence import full_params
 from IPython.core.error import UsageError
+from resize_runs import (
+    RUN,
+    STEPS,
+    equal_to_reference,
+    reference,
+    resize_during_run,
+    slow_loss,
+    world_sizes,
+)  # fmt: skip
 
 import axon_nb
 from axon_nb import DDP, FSDP, DiLoCo, Hybrid, ZeRO
 from axon_nb.cluster.host_fit import usable_cores
-from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
+from axon_nb.models import token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
-
-CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
-RUN: dict[str, Any] = dict(
-    model=functools.partial(GPT, CONFIG),
-    data=functools.partial(token_dataset, 512, block_size=16, vocab_size=64),
-    loss=lm_loss,
-    batch_size=16,  # the global batch: 8 a rank on 2 ranks, 4 on 4
-    optimizer=("adamw", {"lr": 3e-3, "weight_decay": 0.1}),
-    warmup_steps=8,  # the resize comes mid warm-up: the schedule must go on exactly
-    clip_grad_norm=1.0,
-)
-STEPS = 24
-
-
-def slow_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``lm_loss``, 80 ms slower: the resize comes while the run is still training."""
-    time.sleep(0.08)
-    return lm_loss(output, target)
-
-
-@functools.cache
-def reference(steps: int = STEPS) -> axon_nb.TrainResult:
-    return axon_nb.train_local(**RUN, steps=steps)
 
 
 @pytest.fixture(scope="module")
@@ -63,26 +48,6 @@ def _resized_to(cluster: axon_nb.Cluster, n: int) -> None:
         cluster.resize(n)
 
 
-def _world(cluster: axon_nb.Cluster) -> list[int]:
-    return cluster.run(lambda: torch.distributed.get_world_size(), stream=False)
-
-
-def _equal_to_reference(cluster: axon_nb.Cluster, result: axon_nb.TrainResult) -> None:
-    want = reference()
-    assert [h["step"] for h in result.history] == list(range(1, STEPS + 1))
-    for step, (got, ref) in enumerate(zip(result.losses, want.losses, strict=True), 1):
-        assert got == pytest.approx(ref, rel=1e-5), f"step {step}: {got} != {ref}"
-    params = cluster.run(full_params, stream=False)
-    for name, value in want.model.state_dict().items():
-        if name.endswith("attn.k.bias"):
-            # Its gradient is 0 in exact arithmetic (softmax ignores a shift of every score),
-            # so AdamW steps it by lr along rounding noise, whose sign follows the order of
-            # each world's reductions: it is compared below across ranks only.
-            continue
-        assert (params[0][name] - value).abs().max().item() < 1e-5, name
-        assert all(torch.equal(params[0][name], other[name]) for other in params[1:]), name
-
-
 STRATEGIES = [DDP(), FSDP(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
 
 
@@ -90,22 +55,7 @@ STRATEGIES = [DDP(), FSDP(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
 def test_a_run_goes_on_through_a_resize_as_train_local(cluster: Any, strategy: Any) -> None:
     old = len(cluster.ranks)
     new = 4 if old == 2 else 2  # grows, then shrinks, then grows ...
-    handle = cluster.train(**{**RUN, "loss": slow_loss}, strategy=strategy, steps=STEPS,
-                           metrics_interval_s=0.1, block=False)  # fmt: skip
-    while len(handle.history) < 3:
-        time.sleep(0.02)
-    changed = cluster.resize(new)
-    assert (changed["from"], changed["to"], changed["moved"]) == (old, new, "model")
-    assert 3 <= changed["step"] < STEPS, changed  # (it came while the run trained)
-    result = handle.wait()
-    assert [(r["from"], r["to"], r["step"]) for r in result.resizes] == [
-        (old, new, changed["step"])
-    ]
-    assert result.start_step == 0 and result.step == STEPS and len(result.ranks) == new
-    assert result.layout_change is not None and result.layout_change["world_size"] == [old, new]
-    _equal_to_reference(cluster, result)
-    assert _world(cluster) == [new] * new
-    assert [r["rank"] for r in cluster.ranks] == list(range(new))
+    result, _ = resize_during_run(cluster, strategy, new)
     assert cluster.options.n == new
     # The dashboard: the ranks that joined or left, and the run on through them.
     state = result.dashboard.state
@@ -178,7 +128,7 @@ def test_bad_resizes_are_refused_before_anything_changes(cluster: Any) -> None:
     with pytest.raises(ValueError, match="stream"):
         cluster.resize(4)
     assert handle.wait().step == 6 and not handle.wait().resizes
-    assert cluster.ranks == before and _world(cluster) == [2, 2]
+    assert cluster.ranks == before and world_sizes(cluster) == [2, 2]
 
 
 def _names(names: tuple[str, ...]) -> list[str]:
@@ -209,4 +159,28 @@ def test_the_magic_resizes_and_says_what_changed(cluster: Any, shell: Any, capsy
     assert "ranks 2-3 left" in capsys.readouterr().err
     with pytest.raises(UsageError, match="number of ranks"):
         shell.run_line_magic("axon_cluster", "--resize many")
-    assert _world(cluster) == [2, 2]
+    assert world_sizes(cluster) == [2, 2]
+
+
+def test_a_resize_whose_new_ranks_cannot_start_loses_nothing(cluster: Any) -> None:
+    """The new engines' launch fails: they are ended, the world stays as it was and the run
+    in progress goes on there, equal to ``train_local``."""
+    _resized_to(cluster, 2)
+    launcher = cluster._ipp.config.MPIEngineSetLauncher
+    works, launcher.engine_cmd = launcher.engine_cmd, [sys.executable, "-c", "exit(3)"]
+    try:
+        handle = cluster.train(**{**RUN, "loss": slow_loss}, steps=STEPS, metrics_interval_s=0.1,
+                               block=False)  # fmt: skip
+        while len(handle.history) < 3:
+            time.sleep(0.02)
+        with pytest.raises(axon_nb.ClusterStartError, match="launch ended"):
+            cluster.resize(4)
+    finally:
+        launcher.engine_cmd = works
+    result = handle.wait()
+    assert not result.resizes and len(result.ranks) == 2
+    equal_to_reference(cluster, result)
+    assert world_sizes(cluster) == [2, 2] and cluster.options.n == 2
+    assert sorted(cluster.client.ids) == [0, 1]
+    cluster.resize(4)  # and the next one works
+    assert world_sizes(cluster) == [4] * 4

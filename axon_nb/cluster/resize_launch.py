@@ -97,7 +97,8 @@ def _wait_registered(cluster: ClusterLike, launch: str, ranks: range) -> None:
                 f"a new engine registered as {strays[0]}, not as one of ranks "
                 f"{ranks.start}-{ranks.stop - 1} (an engine of that id had not left yet)"
             )
-        if ipc.engines[launch].state == "after":
+        launched = stopping.launcher_pids_of(ipc.engines[launch])
+        if not all(stopping.alive(pid) for pid in launched):
             raise ClusterStartError(
                 f"the new ranks' launch ended before they registered "
                 f"({len(set(ranks) & set(client.ids))} of {len(ranks)} did); see the "

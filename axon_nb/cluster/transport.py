@@ -37,7 +37,6 @@ from axon_nb.spec.signals import NATIVE_SIGNAL
 if TYPE_CHECKING:
     import distributed
 
-    from axon_nb.cluster.dask_on_ranks import DaskOnRanks
     from axon_nb.cluster.detaching import Detached
     from axon_nb.cluster.logs import ClusterLog
 
@@ -410,7 +409,7 @@ if TYPE_CHECKING:
         # what a resize (cluster/resize.py) changes beyond the ranks: launches and dask
         _ipp: ipp.Cluster | None
         _reaper: Any
-        _dask: DaskOnRanks
+        _dask: Any  # (a DaskOnRanks, which imports this module)
         _dask_rows: list[Any]
 
         def restart(self, n: int | None = None) -> ClusterLike: ...
