@@ -59,14 +59,14 @@ def equal_to_reference(cluster: axon_nb.Cluster, result: axon_nb.TrainResult) ->
 
 
 def resize_during_run(
-    cluster: axon_nb.Cluster, strategy: Any, new: int, **resize: Any
+    cluster: axon_nb.Cluster, strategy: Any, new: int, train: Any = None, **resize: Any
 ) -> tuple[axon_nb.TrainResult, dict[str, Any]]:
-    """Train :data:`RUN` with ``strategy`` (``block=False``), resize to ``new`` ranks once it
-    has done 3 steps and wait for its end: its result (checked to equal the reference) and
-    what the resize said."""
+    """Train :data:`RUN` with ``strategy`` (and the options ``train``, ``block=False``),
+    resize to ``new`` ranks once it has done 3 steps and wait for its end: its result
+    (checked to equal the reference) and what the resize said."""
     old = len(cluster.ranks)
     handle = cluster.train(**{**RUN, "loss": slow_loss}, strategy=strategy, steps=STEPS,
-                           metrics_interval_s=0.1, block=False)  # fmt: skip
+                           metrics_interval_s=0.1, block=False, **(train or {}))  # fmt: skip
     while len(handle.history) < 3:
         time.sleep(0.02)
     changed = cluster.resize(new, **resize)

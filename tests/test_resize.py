@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -35,7 +36,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
-def cluster(shell: Any) -> Any:
+def resizable(shell: Any) -> Any:
     """A cluster of this module's own (it changes size), started by the magic."""
     shell.run_line_magic("axon_cluster", "2 --timeout 60")
     started = shell.magics_manager.registry["AxonMagics"].cluster
@@ -52,11 +53,18 @@ STRATEGIES = [DDP(), FSDP(), ZeRO(stage=1), ZeRO(stage=2), ZeRO(stage=3)]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.describe())
-def test_a_run_goes_on_through_a_resize_as_train_local(cluster: Any, strategy: Any) -> None:
+def test_a_run_goes_on_through_a_resize_as_train_local(
+    resizable: Any, strategy: Any, tmp_path: Path
+) -> None:
+    cluster = resizable
     old = len(cluster.ranks)
     new = 4 if old == 2 else 2  # grows, then shrinks, then grows ...
-    result, _ = resize_during_run(cluster, strategy, new)
+    tracked = isinstance(strategy, DDP)  # (and TensorBoard follows it through, once)
+    train = {"log_to": "tensorboard", "log_dir": str(tmp_path)} if tracked else {}
+    result, changed = resize_during_run(cluster, strategy, new, train)
     assert cluster.options.n == new
+    if tracked:
+        _check_events(tmp_path, result, changed["step"], new)
     # The dashboard: the ranks that joined or left, and the run on through them.
     state = result.dashboard.state
     moved = f"{old} -> {new} ranks"
@@ -69,7 +77,8 @@ def test_a_run_goes_on_through_a_resize_as_train_local(cluster: Any, strategy: A
     assert state.steps[-1] == STEPS
 
 
-def test_between_calls_train_resume_goes_on_at_the_new_size(cluster: Any, capsys: Any) -> None:
+def test_between_calls_train_resume_goes_on_at_the_new_size(resizable: Any, capsys: Any) -> None:
+    cluster = resizable
     _resized_to(cluster, 2)
     cluster.train(**RUN, steps=1, name="other")
     first = cluster.train(**RUN, steps=5)  # the latest run: it moves
@@ -98,7 +107,8 @@ def test_between_calls_train_resume_goes_on_at_the_new_size(cluster: Any, capsys
         cluster.train(**RUN, steps=1, resume=True, name="other")
 
 
-def test_bad_resizes_are_refused_before_anything_changes(cluster: Any) -> None:
+def test_bad_resizes_are_refused_before_anything_changes(resizable: Any) -> None:
+    cluster = resizable
     _resized_to(cluster, 2)
     cluster.train(**RUN, steps=2)
     before = [dict(r) for r in cluster.ranks]
@@ -127,8 +137,35 @@ def test_bad_resizes_are_refused_before_anything_changes(cluster: Any) -> None:
                            block=False, name="stream")  # fmt: skip
     with pytest.raises(ValueError, match="stream"):
         cluster.resize(4)
+    with pytest.raises(ValueError, match="keep=False would drop it mid-run"):
+        cluster.resize(4, keep=False)
     assert handle.wait().step == 6 and not handle.wait().resizes
     assert cluster.ranks == before and world_sizes(cluster) == [2, 2]
+    # keep=False carries no run over: a size the latest run does not fit is then allowed
+    changed = cluster.resize(3, keep=False)
+    assert changed["moved"] is None and "stream" in changed["runs"] and "tp" in changed["runs"]
+    assert world_sizes(cluster) == [3, 3, 3]
+
+
+def _check_events(log_dir: Path, result: Any, resized_at: int, new: int) -> None:
+    """Every step once in TensorBoard, its loss the result's; the new ranks' own figures
+    from the step after the resize on (written as each step's ranks are all in)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    deadline = time.monotonic() + 30  # (the tracking thread writes after the run's end)
+    while True:
+        events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+        events.Reload()
+        tags = events.Tags()["scalars"]
+        if "train/loss" in tags and len(events.Scalars("train/loss")) == STEPS:
+            break
+        assert time.monotonic() < deadline, tags
+        time.sleep(0.2)
+    written = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert written == [(h["step"], pytest.approx(h["loss"], rel=1e-6)) for h in result.history]
+    last = f"rank{new - 1}/step_time_s"
+    assert [e.step for e in events.Scalars(last)] == list(range(resized_at + 1, STEPS + 1))
+    assert [e.step for e in events.Scalars("rank0/step_time_s")] == list(range(1, STEPS + 1))
 
 
 def _names(names: tuple[str, ...]) -> list[str]:
@@ -147,7 +184,8 @@ def _stream() -> _Tokens:
     return _Tokens()
 
 
-def test_the_magic_resizes_and_says_what_changed(cluster: Any, shell: Any, capsys: Any) -> None:
+def test_the_magic_resizes_and_says_what_changed(resizable: Any, shell: Any, capsys: Any) -> None:
+    cluster = resizable
     _resized_to(cluster, 2)
     shell.run_line_magic("axon_cluster", "--resize 4")
     out = capsys.readouterr()
@@ -162,9 +200,10 @@ def test_the_magic_resizes_and_says_what_changed(cluster: Any, shell: Any, capsy
     assert world_sizes(cluster) == [2, 2]
 
 
-def test_a_resize_whose_new_ranks_cannot_start_loses_nothing(cluster: Any) -> None:
+def test_a_resize_whose_new_ranks_cannot_start_loses_nothing(resizable: Any) -> None:
     """The new engines' launch fails: they are ended, the world stays as it was and the run
     in progress goes on there, equal to ``train_local``."""
+    cluster = resizable
     _resized_to(cluster, 2)
     launcher = cluster._ipp.config.MPIEngineSetLauncher
     works, launcher.engine_cmd = launcher.engine_cmd, [sys.executable, "-c", "exit(3)"]

@@ -124,12 +124,15 @@ class FeatureDelegates(ClusterLike):
         """
         return features.rescue(**_forward(locals()))
 
-    def resize(self, n: int | None = None, *, add_hosts: Any = None) -> dict[str, Any]:
+    def resize(
+        self, n: int | None = None, *, add_hosts: Any = None, keep: bool = True
+    ) -> dict[str, Any]:
         """Add or remove ranks of the running cluster (:func:`axon_nb.cluster.resize.resize`):
         the ranks with the highest numbers leave, new ones start in a second launch, and a
         run in progress (``block=False``) goes on in the new world from its next step, its
-        global batch kept. ``add_hosts``: where new ranks go on a cluster across hosts
-        (``"node3:2"``). Returns what changed. Example::
+        global batch kept; between runs the latest run moves (``keep=False``: dropped).
+        ``add_hosts``: where new ranks go on a cluster across hosts (``"node3:2"``).
+        Returns what changed. Example::
 
             handle = cluster.train(..., block=False)
             cluster.resize(4)          # 2 -> 4 ranks; the run goes on at its next step

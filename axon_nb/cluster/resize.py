@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -41,11 +42,11 @@ import ipyparallel as ipp
 
 from axon_nb.cluster import relay
 from axon_nb.cluster.control import Control
-from axon_nb.cluster.resize_checks import check_resize, running_run
-from axon_nb.cluster.resize_launch import end_launch, launch_ranks
+from axon_nb.cluster.resize_checks import check_planned, check_resize, latest_run, running_run
+from axon_nb.cluster.resize_launch import end_launch, ending_retired, launch_ranks
 from axon_nb.cluster.sending import dispatch
 from axon_nb.cluster.waiting import results, wait_for_ranks
-from axon_nb.errors import AxonError
+from axon_nb.errors import AxonError, RankError
 from axon_nb.rank import entry
 from axon_nb.spec.bootstrap_spec import BootstrapSpec
 from axon_nb.spec.placement import PlacementError, RankPlan
@@ -54,37 +55,43 @@ from axon_nb.train.start import send_run
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
+    from axon_nb.spec.train_spec import TrainSpec
     from axon_nb.train.handle import TrainHandle
     from axon_nb.train.result import TrainResult
 
 
-def resize(cluster: ClusterLike, n: int | None = None, *, add_hosts: Any = None) -> dict[str, Any]:
+def resize(
+    cluster: ClusterLike, n: int | None = None, *, add_hosts: Any = None, keep: bool = True
+) -> dict[str, Any]:
     """Make ``cluster`` a world of ``n`` ranks (``add_hosts``: the new ranks' ``(host,
     slots)`` on a cluster across hosts; ``n`` defaults to the ranks now plus those slots).
-    A run in progress goes on in the new world from its next step. What changed."""
+    A run in progress goes on in the new world from its next step; between runs, the latest
+    one moves (``keep=False``: none does, every run on the ranks is dropped). What changed."""
     old = len(cluster.ranks)
-    n, added = check_resize(cluster, n, add_hosts)
+    n, added = check_resize(cluster, n, add_hosts, keep)
     if n == old:
         print(f"The cluster already has {n} ranks; nothing changed.", file=sys.stderr)
         return {"from": old, "to": n, "seconds": 0.0}
     handle = running_run(cluster)
-    keep = handle.name if handle is not None else _kept_name(cluster)
+    kept = handle or (latest_run(cluster) if keep else None)
     started = time.monotonic()
     paused = handle._pause() if handle is not None else None
     launch = None
     try:
         if n > old:
             launch = launch_ranks(cluster, old, n, added)
-        plans = _plan(cluster, n)
+        plans = _plan(cluster, n, kept._spec if kept is not None else None)
     except BaseException:
         if launch is not None:
             end_launch(cluster, launch, range(old, n))
         if handle is not None and paused is not None:
-            _go_on(cluster, handle, paused, None)
+            _go_on(cluster, handle, paused, None)  # in the old world, as it was
         raise
     try:
-        report = _change_world(cluster, keep, plans, old, n, added)
+        report = _change_world(cluster, kept.name if kept else None, plans, old, n, added)
     except BaseException as e:
+        if handle is not None and paused is not None:
+            handle._end_paused()  # (its result: what it did before the stop)
         cluster._broken = f"a resize from {old} to {n} ranks failed while the world changed"
         raise AxonError(
             f"the resize from {old} to {n} ranks failed while the ranks changed worlds ({e}); "
@@ -93,20 +100,16 @@ def resize(cluster: ClusterLike, n: int | None = None, *, add_hosts: Any = None)
         ) from e
     record = {"step": paused.step if paused else None, "from": old, "to": n,
               "seconds": time.monotonic() - started}  # fmt: skip
-    _say(cluster, record, report, keep, handle)
+    goes_on = handle is not None and paused is not None and _steps_left(handle, paused) > 0
+    _say(record, report, kept.name if kept else None, goes_on)
     if handle is not None and paused is not None:
         _go_on(cluster, handle, paused, record)
     return {**record, **report}
 
 
-def _kept_name(cluster: ClusterLike) -> str | None:
-    """The run to carry over when none is in progress: the latest one this kernel trained."""
-    last = cluster.last_run
-    return last.name if last is not None else None
-
-
-def _plan(cluster: ClusterLike, n: int) -> list[RankPlan]:
-    """Probe every rank of the new world and plan it (``spec/world_change.py``)."""
+def _plan(cluster: ClusterLike, n: int, kept: TrainSpec | None) -> list[RankPlan]:
+    """Probe every rank of the new world and plan it (``spec/world_change.py``); the run
+    that moves (``kept``) must fit the hosts as planned."""
     opts = cluster.options
     ipc = cluster._ipp
     spec = BootstrapSpec(
@@ -119,9 +122,12 @@ def _plan(cluster: ClusterLike, n: int) -> list[RankPlan]:
     )
     current = {r["rank"]: str(r["device"]) for r in cluster.ranks if r["rank"] < n}
     try:
-        return plan_resize(probes, current, backend=cluster.ranks[0]["backend"], gpus=opts.gpus)
+        plans = plan_resize(probes, current, backend=cluster.ranks[0]["backend"], gpus=opts.gpus)
     except PlacementError as e:
         raise ValueError(f"cannot resize to {n} ranks: {e}") from None
+    if kept is not None:
+        check_planned(kept, plans)
+    return plans
 
 
 def _change_world(
@@ -142,9 +148,11 @@ def _change_world(
     left = cluster.control_call(entry.leave_for_resize, keep, ranks=list(range(old)),
                                 timeout=wait_s)  # fmt: skip
     if n < old:
-        cluster.control_call(entry.retire, ranks=list(range(n, old)), timeout=wait_s)
-        cluster.ranks = cluster.ranks[:n]  # (from now on, their engines' exit is no death)
-        _wait_unregistered(cluster.client, range(n, old), opts.start_timeout)
+        with ending_retired(cluster, n):
+            with contextlib.suppress(RankError):  # (an exit before its answer was out)
+                cluster.control_call(entry.retire, ranks=list(range(n, old)), timeout=wait_s)
+            cluster.ranks = cluster.ranks[:n]  # (from now on, their engines' exit is no death)
+            _wait_unregistered(cluster.client, range(n, old), opts.start_timeout)
     summaries = _join(cluster, plans, min(old, n), f"store-resize-{uuid.uuid4().hex[:12]}")
     current = relay.relay_of(cluster.client)
     routes = {r: route for r, route in (current.routes if current else {}).items() if r < n}
@@ -190,15 +198,12 @@ def _wait_unregistered(client: ipp.Client, ranks: range, timeout: float) -> None
         time.sleep(0.05)
 
 
-def _say(
-    cluster: ClusterLike, record: dict[str, Any], report: dict[str, Any], keep: str | None,
-    handle: TrainHandle | None,
-) -> None:  # fmt: skip
+def _say(record: dict[str, Any], report: dict[str, Any], keep: str | None, goes_on: bool) -> None:
     """What the resize did, and what it dropped."""
     old, n = record["from"], record["to"]
     lines = [f"Resized the cluster from {old} to {n} ranks in {record['seconds']:.1f} s "
              f"({describe_change(old, n)})."]  # fmt: skip
-    if report["moved"] and handle is not None:
+    if report["moved"] and goes_on:
         lines.append(f"{keep!r} goes on from step {record['step']} on {n} ranks.")
     elif report["moved"]:
         lines.append(f"{keep!r} is laid out again on {n} ranks by its next "
@@ -219,11 +224,21 @@ def _go_on(
 ) -> None:
     """The paused run trains on for the steps it had left (on the new world with ``record``,
     on the old one after a failed resize), or ends if it had finished."""
-    spec = handle._spec
-    left = paused.start_step + spec.steps - paused.step
-    if not paused.stopped or left <= 0:
+    left = _steps_left(handle, paused)
+    if left <= 0:
         handle._end_paused()
         return
-    going_on = dataclasses.replace(spec, resume=True, steps=left)
-    sent, run = send_run(cluster, going_on)
+    going_on = dataclasses.replace(handle._spec, resume=True, steps=left)
+    try:
+        sent, run = send_run(cluster, going_on)
+    except BaseException:
+        handle._end_paused()
+        raise
     handle._carry_on(sent, going_on, run, record)
+
+
+def _steps_left(handle: TrainHandle, paused: TrainResult) -> int:
+    """Steps the paused run had still to train (0 once it had finished)."""
+    if not paused.stopped:
+        return 0
+    return paused.start_step + handle._spec.steps - paused.step

@@ -20,19 +20,28 @@ from axon_nb.spec.validation import check_world
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
+    from axon_nb.spec.placement import RankPlan
     from axon_nb.spec.train_spec import TrainSpec
     from axon_nb.train.handle import TrainHandle
 
 Hosts = tuple[tuple[str, int], ...]
 
 
+def latest_run(cluster: ClusterLike) -> TrainHandle | None:
+    """The latest run this kernel started on these ranks (not on ranks a restart replaced)."""
+    handle = cluster.last_run
+    return handle if handle is not None and handle.ran_on(cluster.client) else None
+
+
 def running_run(cluster: ClusterLike) -> TrainHandle | None:
     """The run this kernel started that is still training (``block=False``), if any."""
-    handle = cluster.last_run
+    handle = latest_run(cluster)
     return handle if handle is not None and not handle.done else None
 
 
-def check_resize(cluster: ClusterLike, n: int | None, add_hosts: Any) -> tuple[int, Hosts]:
+def check_resize(
+    cluster: ClusterLike, n: int | None, add_hosts: Any, keep: bool = True
+) -> tuple[int, Hosts]:
     """The new size and the added ``(host, slots)``, or ``ValueError`` saying what to change."""
     cluster.targets()  # a cluster that runs and is not broken
     opts = cluster.options
@@ -55,7 +64,7 @@ def check_resize(cluster: ClusterLike, n: int | None, add_hosts: Any) -> tuple[i
             f"cannot be resized; cluster.restart(n={n}) starts {n} fresh ranks"
         )
     _check_hosts(cluster, n, old, added)
-    _check_runs(cluster, n)
+    _check_runs(cluster, n, keep)
     return n, added
 
 
@@ -81,9 +90,9 @@ def _check_hosts(cluster: ClusterLike, n: int, old: int, added: Hosts) -> None:
     if added:
         if opts.hosts is None or len({r["host"] for r in cluster.ranks}) < 2:
             raise ValueError(
-                "add_hosts (--add-host) grows a cluster across hosts: start it with ranks on "
-                "two hosts or more (--hosts a:1,b:1), so its controller and rendezvous listen "
-                "on the hosts' network; this one's ranks meet on this host's loopback"
+                "add_hosts (--add-host) grows a cluster across hosts: its ranks must be on two "
+                "hosts or more now (start with --hosts a:1,b:1), so that its controller and "
+                "rendezvous listen on the hosts' network; this one's ranks meet on one host"
             )
         slots = sum(count for _, count in added)
         if n != old + slots:
@@ -104,10 +113,15 @@ def _check_hosts(cluster: ClusterLike, n: int, old: int, added: Hosts) -> None:
             raise ValueError(f"cannot resize to {n} ranks: {e}") from None
 
 
-def _check_runs(cluster: ClusterLike, n: int) -> None:
+def _check_runs(cluster: ClusterLike, n: int, keep: bool) -> None:
     """The run that moves must fit the new world (the one in progress, else the latest)."""
     handle = running_run(cluster)
-    kept = handle or cluster.last_run
+    if handle is not None and not keep:
+        raise ValueError(
+            f"{handle.name!r} is training: keep=False would drop it mid-run. Stop it first "
+            "(handle.stop()), or resize with it (keep=True) to go on in the new world"
+        )
+    kept = handle or (latest_run(cluster) if keep else None)
     if kept is None:
         return
     spec = kept._spec
@@ -119,6 +133,7 @@ def _check_runs(cluster: ClusterLike, n: int) -> None:
             f"cannot resize to {n} ranks: {spec.name!r} ({spec.strategy.describe()}, "
             f"batch_size={spec.batch_size}) moves with the resize and would not fit: {e}. "
             "The cluster is unchanged"
+            + ("" if handle else "; resize(n, keep=False) drops the runs on the ranks instead")
         ) from None
     config = spec.strategy.config()
     if config.diloco is not None or config.async_sgd is not None:
@@ -129,6 +144,24 @@ def _check_runs(cluster: ClusterLike, n: int) -> None:
         )
     if handle is not None:
         _check_data(spec)
+
+
+def check_planned(spec: TrainSpec, plans: list[RankPlan]) -> None:
+    """The run that moves, against the world as planned (its hosts known once probed): it
+    fits rank 0's host's ranks, and every rank lays it out alike, whatever its host holds."""
+    n = len(plans)
+    per_host = sorted({p.local_world_size for p in plans})
+    try:
+        check_world(spec, n, plans[0].local_world_size)
+        layouts = [spec.strategy.dims(n, count) for count in per_host]
+    except ValueError as e:
+        raise ValueError(f"cannot resize to {n} ranks: {spec.name!r} would not fit: {e}") from None
+    if any(layout != layouts[0] for layout in layouts):
+        raise ValueError(
+            f"cannot resize to {n} ranks: its hosts would hold {per_host} ranks, and "
+            f"{spec.name!r}'s layout ({spec.strategy.describe()}) depends on the ranks per "
+            "host; give every host as many ranks (add_hosts). The cluster is unchanged"
+        )
 
 
 def _check_data(spec: TrainSpec) -> None:

@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from axon_nb.cluster import reaper, stopping
+from axon_nb.cluster import mpi_leftovers, reaper, stopping
 from axon_nb.cluster.options import format_hosts
 from axon_nb.errors import ClusterStartError
 from axon_nb.spec.world_change import ID_BASE_ENV
@@ -43,9 +44,12 @@ def launch_ranks(cluster: ClusterLike, old: int, n: int, added: tuple[tuple[str,
     }
     if added:
         args = list(config.mpi_args)
+        if "-hosts" not in args:
+            raise ValueError("add_hosts starts ranks with MPICH's hydra mpiexec, not found here")
         args[args.index("-hosts") + 1] = format_hosts(added)
         options["mpi_args"] = args
     launch = ipc.start_engines_sync(n - old, **options)
+    ipc.engines[launch].axon_ranks = range(old, n)  # (see ending_retired)
     _watch_every_launch(cluster)
     try:
         _wait_registered(cluster, launch, range(old, n))
@@ -68,6 +72,23 @@ def end_launch(cluster: ClusterLike, launch: str, ranks: range) -> None:
     while set(ranks) & set(cluster.client.ids) and time.monotonic() < deadline:
         time.sleep(POLL_S)  # (the controller lets them go once their hearts stop)
     _watch_every_launch(cluster)
+
+
+@contextlib.contextmanager
+def ending_retired(cluster: ClusterLike, n: int) -> Iterator[None]:
+    """After the block (which retires ranks ``n`` and up), end the later launches all of
+    whose ranks retired: their ``mpiexec`` and its sleeping rank parents would otherwise
+    stay until the cluster stops, one more set for every grow and shrink. Their MPI shared
+    memory on this host, mapped by their ranks as the block begins, is unlinked."""
+    ipc = cluster._ipp
+    assert ipc is not None
+    gone = {launch: s.axon_ranks for launch, s in ipc.engines.items()
+            if getattr(s, "axon_ranks", range(0)).start >= n > 0}  # fmt: skip
+    rows = [r for r in cluster.ranks if any(r["rank"] in span for span in gone.values())]
+    with mpi_leftovers.removed_after(rows, "mpi"):
+        yield
+        for launch, span in gone.items():
+            end_launch(cluster, launch, span)
 
 
 def _watch_every_launch(cluster: ClusterLike) -> None:
@@ -95,7 +116,8 @@ def _wait_registered(cluster: ClusterLike, launch: str, ranks: range) -> None:
         if strays:
             raise ClusterStartError(
                 f"a new engine registered as {strays[0]}, not as one of ranks "
-                f"{ranks.start}-{ranks.stop - 1} (an engine of that id had not left yet)"
+                f"{ranks.start}-{ranks.stop - 1}: its id was taken, or its MPI did not say "
+                "its rank in the launch (PMI_RANK)"
             )
         launched = stopping.launcher_pids_of(ipc.engines[launch])
         if not all(stopping.alive(pid) for pid in launched):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -356,7 +357,11 @@ class Transport:
         [port] = self.control_call(entry.free_port, ranks=[0])
         targets = list(range(len(self.ranks)))
         self.ranks = self.control_call(
-            entry.reform, port, ranks=targets, timeout=self.options.start_timeout
+            entry.reform,
+            port,
+            f"store-reform-{uuid.uuid4().hex[:12]}",
+            ranks=targets,
+            timeout=self.options.start_timeout,
         )
 
     def _wait_start(self, ar: ipp.AsyncResult, targets: list[int]) -> dict[int, ipp.AsyncResult]:

@@ -108,11 +108,12 @@ def free_port() -> int:
     return pick()
 
 
-def reform(master_port: int) -> dict[str, object]:
-    """Leave the current process group and join a fresh one on ``master_port``."""
+def reform(master_port: int, store_name: str | None = None) -> dict[str, object]:
+    """Leave the current process group and join a fresh one on ``master_port`` (its store
+    file named ``store_name``)."""
     from axon_nb.rank.world import world
 
-    return world.reform(master_port)
+    return world.reform(master_port, store_name)
 
 
 def collectives_issued() -> dict[str, int]:

@@ -118,6 +118,10 @@ class TrainHandle:
         """Each rank's latest publication without its records (status, step, memory, ...)."""
         return self._stream.latest()
 
+    def ran_on(self, client: ipp.Client) -> bool:
+        """Whether the run went to ``client``'s ranks (a restart starts new ones)."""
+        return self._stream.reads(client)
+
     def poll(self) -> None:
         """Read what the ranks have published since the last poll."""
         self._stream.poll()
@@ -189,11 +193,14 @@ class TrainHandle:
         follow it."""
         self._sent, self._ar, self._targets, self._spec = sent, sent.ar, sent.targets, spec
         self._stream = RunStream(self._cluster, sent.ar, sent.targets, run)
-        for listener in self._listeners:
-            self._stream.add_listener(listener)
         if resize is not None:
             self._resizes.append(resize)
-            self._presenter.dashboard.resized(resize["from"], resize["to"], resize["step"])
+            for listener in self._listeners:  # (the dashboard, the trackers)
+                resized = getattr(listener, "resized", None)
+                if resized is not None:
+                    resized(resize["from"], resize["to"], resize["step"])
+        for listener in self._listeners:
+            self._stream.add_listener(listener)
         self._stream.start()
 
     def _end_paused(self) -> None:

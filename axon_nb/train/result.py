@@ -81,9 +81,9 @@ class TrainResult:
     """With ``max_restarts``: each recovery (``error``, ``failed_at_step``, ``resumed_from``,
     ``seconds``), oldest first; ``history`` runs on through them as one."""
     resizes: list[dict[str, Any]] = field(default_factory=list)
-    """Each ``cluster.resize`` during the run (``step``, ``from``, ``to``: world sizes,
-    ``seconds``: from the stop to the first step on the new world's ranks being sent),
-    oldest first; ``history`` runs on through them as one."""
+    """Each ``cluster.resize`` during the run (``step``: where it stopped, ``from``, ``to``:
+    world sizes, ``seconds``: from the resize call, its wait for the step boundary included,
+    to the new world joined), oldest first; ``history`` runs on through them as one."""
     layout_change: dict[str, Any] | None = None
     """With ``resume=True`` and another strategy: the move this call began with (``step``,
     ``from``, ``to``, ``seconds``), done in memory on the ranks."""

@@ -88,6 +88,10 @@ class RunStream:
             self._handed_over = True
             return list(self._book.listeners)
 
+    def reads(self, client: ipp.Client) -> bool:
+        """Whether this is a run of ``client``'s ranks (not of ranks a restart replaced)."""
+        return self._client is client
+
     def take_back(self) -> None:
         """Undo :meth:`hand_over` (the run does not go on after all): the listeners get its
         end, now if it has ended."""

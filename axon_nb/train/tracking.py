@@ -40,7 +40,15 @@ from collections.abc import Iterator, Sequence
 from typing import Any, TypeGuard
 
 from axon_nb.spec.train_spec import TrainSpec
-from axon_nb.train.tracking_messages import Begin, End, Followed, Message, Publication, RunDone
+from axon_nb.train.tracking_messages import (
+    Begin,
+    End,
+    Followed,
+    Message,
+    Publication,
+    Resized,
+    RunDone,
+)  # fmt: skip
 from axon_nb.train.tracking_writers import (
     MlflowWriter,
     Params,
@@ -256,6 +264,9 @@ class Tracker:
                 case Publication(_, publication):
                     self._take(publication)
                     self._write(ready_only=True)
+                case Resized(_, world_size):
+                    self._write(ready_only=False)  # (every old-world record is in)
+                    self._world = world_size
                 case RunDone(_, failures, summaries, last):
                     for summary in summaries:
                         self._take(summary)
@@ -343,6 +354,9 @@ class _Feed:
 
     def tick(self) -> None:
         pass
+
+    def resized(self, old: int, new: int, step: int) -> None:
+        self._queue.put(Resized(self._follow, new))
 
     def done(self, failures: dict[int, str]) -> None:
         summaries = self._handle.summaries()

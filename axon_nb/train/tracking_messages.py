@@ -48,6 +48,15 @@ class RunDone:
 
 
 @dataclass(frozen=True, slots=True)
+class Resized:
+    """The followed run goes on in a world of ``world_size`` ranks (``cluster.resize``): the
+    steps of the old world are complete, and a step now waits for this many ranks."""
+
+    follow: int
+    world_size: int
+
+
+@dataclass(frozen=True, slots=True)
 class End:
     """End the tracked run and close the trackers with ``status`` (MLflow's run status)."""
 
@@ -55,7 +64,7 @@ class End:
     status: str
 
 
-Message = Begin | Publication | RunDone | End
+Message = Begin | Publication | RunDone | Resized | End
 """What the tracking thread's queue holds; each carries the follow it belongs to."""
 
 

@@ -124,6 +124,8 @@ class DashboardState:
         for rank in range(self.world_size):
             self.rank_loss.setdefault(rank, {})
         self.latest = {r: m for r, m in self.latest.items() if r in self.left}
+        self.rates.clear()  # (the old world's; the slowest of the new one's sets it)
+        self.expert_tokens.clear()
         self.frozen = False
 
     def fail(self, rank: int, error: str) -> None:

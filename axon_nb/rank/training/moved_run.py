@@ -27,6 +27,7 @@ from axon_nb.parallel.strategy_state import kept_by
 from axon_nb.rank import runtime
 from axon_nb.rank.training import trainstate
 from axon_nb.rank.training.build import new_state
+from axon_nb.rank.training.optimizer_setup import grad_scaler
 from axon_nb.rank.training.relayout import build_layout, optimizer_class
 from axon_nb.spec.train_spec import TrainSpec
 
@@ -57,7 +58,7 @@ def pack(name: str) -> bool:
         "scheduler_state": state.scheduler.state_dict(),
         "own_scheduler": state.own_scheduler,
         "lr_shape": state.lr_shape,
-        "scaler": state.scaler,
+        "scaler": state.scaler.state_dict() if state.scaler is not None else None,
         "step": state.step,
         "layout_changes": state.layout_changes,
     })  # fmt: skip
@@ -67,6 +68,7 @@ def pack(name: str) -> bool:
 def hold(name: str) -> None:
     """(Every rank of the new world) ``name`` is pending here until its next call."""
     _MOVED.setdefault(name, None)
+    trainstate.PENDING.add(name)
 
 
 def pending(name: str) -> bool:
@@ -84,24 +86,21 @@ def forget_all_but(keep: str | None) -> list[str]:
     names = [name for name in _MOVED if name != keep]
     for name in names:
         del _MOVED[name]
+        trainstate.PENDING.discard(name)
     return names
 
 
 def forget(name: str) -> None:
     """Drop a pending run (a fresh run of that name replaces it)."""
     _MOVED.pop(name, None)
+    trainstate.PENDING.discard(name)
 
 
 def rebuild(spec: TrainSpec, ctx: runtime.RankContext) -> trainstate.TrainState:
     """(Every rank; a collective) The run ``spec.name`` laid out under ``spec.strategy`` on
     this world from the packed state, and stored. Its data comes with the call."""
-    import torch.distributed as dist
-
     started = time.perf_counter()
-    holder: list[Any] = [_MOVED.get(spec.name) if ctx.rank == 0 else None]
-    device = ctx.device if ctx.device.type == "cuda" else None
-    dist.broadcast_object_list(holder, src=0, device=device)
-    moved = cloudpickle.loads(holder[0])
+    moved = cloudpickle.loads(_from_rank_0(_MOVED.get(spec.name), ctx))
     if moved["own_scheduler"] and spec.scheduler is None:
         raise ValueError(
             f"{spec.name!r} runs with its own scheduler=, which must be built again for the "
@@ -125,13 +124,33 @@ def rebuild(spec: TrainSpec, ctx: runtime.RankContext) -> trainstate.TrainState:
         "seconds": time.perf_counter() - started,
         "world_size": [moved["world_size"], ctx.world_size],
     }
+    scaler = None
+    if moved["scaler"] is not None:  # (its tensors on this rank's device, not rank 0's)
+        scaler = grad_scaler(ctx)
+        scaler.load_state_dict(moved["scaler"])
     state = new_state(
         spec, parallel, optimizer,
         scheduler=spec.scheduler if moved["own_scheduler"] else None,
-        lr_shape=moved["lr_shape"], scaler=moved["scaler"], dataset=None, step=moved["step"],
+        lr_shape=moved["lr_shape"], scaler=scaler, dataset=None, step=moved["step"],
         scheduler_state=moved["scheduler_state"],
         layout_changes=[*moved["layout_changes"], change],
     )  # fmt: skip
     trainstate.put(state)
     _MOVED.pop(spec.name, None)
+    trainstate.PENDING.discard(spec.name)
     return state
+
+
+def _from_rank_0(payload: bytes | None, ctx: runtime.RankContext) -> bytes:
+    """Rank 0's ``payload`` on every rank, over the CPU: on GPU ranks through a gloo group
+    made for it (NCCL would stage the whole state on every GPU at once)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(backend="gloo") if ctx.device.type == "cuda" else None
+    try:
+        holder: list[Any] = [payload if ctx.rank == 0 else None]
+        dist.broadcast_object_list(holder, src=0, group=group)
+        return holder[0]  # (bytes, as rank 0 packed them)
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)

@@ -17,7 +17,10 @@ Example (what the loop does for ``resume=True``)::
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+from torch.utils.data import IterableDataset
 
 from axon_nb.parallel.param_groups import GroupPlan, plan_groups
 from axon_nb.rank import runtime
@@ -40,7 +43,8 @@ def resume(
 
         state, batches, evals = resume(spec, runtime.context())
     """
-    if moved_run.pending(spec.name):  # a resize moved it to this world: laid out again
+    moved = moved_run.pending(spec.name)
+    if moved:  # a resize moved it to this world: laid out again
         moved_run.rebuild(spec, ctx)
     state = trainstate.get(spec.name)
     if spec.data is None and state.dataset is None:
@@ -49,6 +53,12 @@ def resume(
             "ranks: pass data= again with resume=True"
         )
     dataset = state.dataset if spec.data is None else resolve_dataset(spec.data, ctx.rank)
+    if moved and isinstance(dataset, IterableDataset) and ctx.rank == 0:
+        print(
+            f"{spec.name!r} reads a stream, which a resize cannot keep in order: each rank "
+            "reads its stream afresh, so the run differs from one never resized",
+            file=sys.stderr,
+        )
     batches = step_batches(spec, ctx, dataset)
     plan = state.parallel.groups
     changes = spec.optimizer_kwargs

@@ -16,6 +16,10 @@ from axon_nb.strategies import Strategy
 
 _STATES: dict[str, TrainState] = {}
 
+PENDING: set[str] = set()
+"""Runs a resize moved to this world and no call has laid out again yet
+(``moved_run.py``): asked for by name, they say so."""
+
 _active: str | None = None
 """The run whose DTensors DTensor's dispatch caches may hold (see :func:`_activate`)."""
 
@@ -62,6 +66,11 @@ def get(name: str = "model") -> TrainState:
         from axon_nb.rank.training import trainstate
         trainstate.get("model").optimizer.param_groups[0]["lr"]
     """
+    if name in PENDING:
+        raise KeyError(
+            f"the run {name!r} was moved to this world by a resize and is laid out again by "
+            "its next call: cluster.train(..., resume=True, model=..., data=...) goes on with it"
+        )
     if name not in _STATES:
         known = ", ".join(sorted(_STATES)) or "none yet"
         raise KeyError(

@@ -49,11 +49,12 @@ def main() -> None:
 
 
 def _request_engine_id() -> None:
-    """Under :data:`ID_BASE_ENV`, ask for engine id ``base + PMI_RANK`` (MPICH's process
-    managers set ``PMI_RANK``: the rank in this launch, not in the torch world)."""
+    """Under :data:`ID_BASE_ENV`, ask for engine id ``base`` + this process's rank in its
+    launch (``PMI_RANK`` from MPICH's process managers; Open MPI's and PMIx's names too)."""
     base = os.environ.get(ID_BASE_ENV)
     if base is not None:
-        engine_id = int(base) + int(os.environ.get("PMI_RANK", "0"))
+        ranks = (os.environ.get(v) for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+        engine_id = int(base) + int(next((r for r in ranks if r is not None), "0"))
         sys.argv.append(f"--IPEngine.id={engine_id}")
 
 

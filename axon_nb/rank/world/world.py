@@ -166,12 +166,14 @@ def _tcp_store(ctx: runtime.RankContext) -> Any:
     )
 
 
-def reform(master_port: int) -> dict[str, object]:
-    """Destroy the current process group and join a fresh one on ``master_port``."""
+def reform(master_port: int, store_name: str | None = None) -> dict[str, object]:
+    """Destroy the current process group and join a fresh one on ``master_port`` (and the
+    store file ``store_name``: after a resize the ranks have joined different numbers of
+    worlds, so they no longer count alike)."""
     leave()
     os.environ["MASTER_PORT"] = str(master_port)
     fresh = dataclasses.replace(runtime.context(), master_port=master_port)
-    init_process_group(fresh)
+    init_process_group(fresh, store_name)
     runtime.set_context(fresh)
     return fresh.summary()
 
