@@ -45,10 +45,10 @@ from axon_nb.cluster.control import Control
 from axon_nb.cluster.resize_checks import check_planned, check_resize, latest_run, running_run
 from axon_nb.cluster.resize_launch import end_launch, ending_retired, launch_ranks
 from axon_nb.cluster.sending import dispatch
+from axon_nb.cluster.startup import bootstrap_spec, merged
 from axon_nb.cluster.waiting import results, wait_for_ranks
 from axon_nb.errors import AxonError, RankError
 from axon_nb.rank import entry
-from axon_nb.spec.bootstrap_spec import BootstrapSpec
 from axon_nb.spec.placement import PlacementError, RankPlan
 from axon_nb.spec.world_change import describe_change, hosts_after, plan_resize
 from axon_nb.train.start import send_run
@@ -112,11 +112,8 @@ def _plan(cluster: ClusterLike, n: int, kept: TrainSpec | None) -> list[RankPlan
     that moves (``kept``) must fit the hosts as planned."""
     opts = cluster.options
     ipc = cluster._ipp
-    spec = BootstrapSpec(
-        backend=opts.backend, gpus=opts.gpus, timeout_s=opts.timeout,
-        watch_dir=str(cluster._watch.path) if cluster._watch is not None else None,
-        iface=opts.iface, kernel_addr=(ipc.controller_ip if ipc is not None else None) or None,
-    )  # fmt: skip
+    watch = str(cluster._watch.path) if cluster._watch is not None else None
+    spec = bootstrap_spec(opts, watch, (ipc.controller_ip if ipc is not None else None) or None)
     probes = cluster.control_call(
         entry.probe_for_resize, spec, ranks=list(range(n)), timeout=opts.start_timeout
     )
@@ -182,9 +179,10 @@ def _join(
     ars += [dispatch(client, [p.rank], entry.join_world, p, opts.timeout, watch, store)
             for p in plans[stay:]]  # fmt: skip
     targets = [p.rank for p in plans]
-    merged = ipp.AsyncResult(client, [m for a in ars for m in a.msg_ids], targets=targets)
-    parts = wait_for_ranks(merged, targets, control=Control(client, targets),
-                           timeout=opts.start_timeout)  # fmt: skip
+    control = Control(client, targets)
+    parts = wait_for_ranks(
+        merged(client, ars, targets), targets, control=control, timeout=opts.start_timeout
+    )
     return list(results(parts))
 
 

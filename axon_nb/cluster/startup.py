@@ -275,15 +275,7 @@ def join_world(
 ) -> list[dict[str, Any]]:
     """Every rank joins the torch world (and watches ``watch_dir``); summaries in rank order.
     Across hosts, ``kernel_addr`` is this host's address on the ranks' network."""
-    spec = BootstrapSpec(
-        backend=options.backend,
-        gpus=options.gpus,
-        timeout_s=options.timeout,
-        watch_dir=watch_dir,
-        iface=options.iface,
-        kernel_addr=kernel_addr,
-        kernel_host=socket.gethostname(),
-    )
+    spec = bootstrap_spec(options, watch_dir, kernel_addr)
     targets = sorted(client.ids)
     try:
         if options.engines in ("mpi", "slurm"):
@@ -305,6 +297,27 @@ def join_world(
     return summaries
 
 
+def bootstrap_spec(
+    options: ClusterOptions, watch_dir: str | None, kernel_addr: str | None
+) -> BootstrapSpec:
+    """What the kernel asks of every rank that joins a world (at start, and a resize's)."""
+    return BootstrapSpec(
+        backend=options.backend,
+        gpus=options.gpus,
+        timeout_s=options.timeout,
+        watch_dir=watch_dir,
+        iface=options.iface,
+        kernel_addr=kernel_addr,
+        kernel_host=socket.gethostname(),
+    )
+
+
+def merged(client: ipp.Client, ars: list[ipp.AsyncResult], targets: list[int]) -> ipp.AsyncResult:
+    """One ``AsyncResult`` over per-rank messages (each rank its own arguments), in
+    ``targets`` order."""
+    return ipp.AsyncResult(client, [m for a in ars for m in a.msg_ids], targets=targets)
+
+
 def _join_planned_by_kernel(
     client: ipp.Client, spec: BootstrapSpec, targets: list[int], wait: Wait
 ) -> list[dict[str, Any]]:
@@ -320,8 +333,7 @@ def _join_planned_by_kernel(
         dispatch(client, [t], entry.join_world, plans[t], spec.timeout_s, spec.watch_dir)
         for t in targets
     ]
-    merged = ipp.AsyncResult(client, [m for a in ars for m in a.msg_ids], targets=targets)
-    return results(wait(merged, targets))
+    return results(wait(merged(client, ars, targets), targets))
 
 
 def log_tail(log: ClusterLog | None, lines: int = 15) -> str:
