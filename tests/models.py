@@ -155,3 +155,22 @@ def slow_mse(seconds: float, say_at: int | None = None, text: str = "", after: i
         return mse(output, target)
 
     return loss
+
+
+def _arrived(value: Any, seconds: float) -> Any:
+    time.sleep(seconds)
+    return value
+
+
+class ArrivesSlowly:
+    """``fn`` whose unpickling, on the ranks, takes ``seconds``: the run is longer in transit
+    (it is unpickled before it begins)."""
+
+    def __init__(self, fn: Any, seconds: float) -> None:
+        self.fn, self.seconds = fn, seconds
+
+    def __call__(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_arrived, (self.fn, self.seconds))

@@ -167,6 +167,14 @@ class LocalSlurm(Started):
                 raise RuntimeError(f"slurmd did not come up: {logs}")
             time.sleep(0.3)
 
+    def _owns(self, step: psutil.Process) -> bool:
+        """Whether ``step`` (a ``slurmstepd``) is one of this Slurm's: it works in, logs to
+        and listens in this Slurm's directory."""
+        mine = str(self.dir) + os.sep
+        paths = [step.cwd() + os.sep, *(f.path for f in step.open_files())]
+        paths += [str(c.laddr) for c in step.net_connections(kind="unix")]
+        return any(path.startswith(mine) for path in paths)
+
     def close(self) -> None:
         """Cancel every job, stop the daemons and remove the configuration."""
         if Path(self.conf).exists():
@@ -183,7 +191,8 @@ class LocalSlurm(Started):
         for proc in psutil.process_iter(["name", "create_time"]):  # steps slurmd left behind
             if proc.info["name"] == "slurmstepd" and proc.info["create_time"] >= self._began:
                 with contextlib.suppress(psutil.Error):
-                    proc.kill()
+                    if self._owns(proc):  # (another worker's Slurm may run jobs meanwhile)
+                        proc.kill()
         if self._saved is None:
             os.environ.pop("SLURM_CONF", None)
         else:

@@ -178,8 +178,9 @@ def test_a_detached_cluster_survives_a_kernel_restart_and_ends_when_idle_with_it
     time.sleep(max(0.0, 10 - (time.monotonic() - unattached)))
     assert time.monotonic() - unattached < 13
     assert all(psutil.pid_exists(p) for p in _processes(record))  # 10 s without a kernel: on
-    left = 15 + 10 - (time.monotonic() - unattached)
-    assert wait_gone(_processes(record), left) == []  # ended 15 s after the last kernel left
+    # ended 15 s after the last kernel left (the stop's own seconds on a loaded machine besides)
+    left = 15 + 20 - (time.monotonic() - unattached)
+    assert wait_gone(_processes(record), left) == []
     from axon_nb.cluster.detached import clusters
 
     assert name not in [c.name for c in clusters()]

@@ -35,7 +35,8 @@ def _descendants(pid: int) -> list[int]:
     [
         ("exit", "train", 10.0),  # `exit` in a cell: the kernel shuts down normally
         ("restart", "train", 10.0),  # Jupyter's restart: shutdown request, SIGTERM, SIGKILL
-        ("restart", "sleep", 10.0),
+        # (a busy kernel may outlast Jupyter's shutdown wait, and then ends as SIGKILL's does)
+        ("restart", "sleep", 15.0),
         ("sigkill", "sleep", 15.0),
     ],
 )

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import ctrl_c_when, until
 from models import (
+    ArrivesSlowly,
     failing_on_rank,
     make_data,
     make_mlp,
@@ -96,6 +97,21 @@ def test_ctrl_c_stops_every_rank_at_one_step_and_keeps_the_model(
     assert [s["step"] for s in states] == [result.step] * 2
     again = pooled_cluster_2.train(**ARGS, steps=3, name="interrupted", resume=True)
     assert again.step == result.step + 3  # the world and the model still work
+
+
+def test_stop_at_once_after_block_false_stops_after_the_first_step(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    """``stop()`` while the run is still on its way to the ranks (its loss takes 1.5 s to
+    unpickle there): it waits for every rank to begin, then stops them at the first step
+    boundary, where a SIGINT sent at once would have interrupted the unpickling and failed
+    the run."""
+    slow = {**ARGS, "loss": ArrivesSlowly(mse, 1.5)}
+    handle = pooled_cluster_2.train(**slow, steps=LONG, name="stopped_early", block=False)
+    stopped = handle.stop(timeout=120)
+    assert stopped.stopped and 1 <= stopped.step < 50
+    states = pooled_cluster_2.run(_state, "stopped_early")
+    assert [s["step"] for s in states] == [stopped.step] * 2
 
 
 def test_resume_takes_a_new_learning_rate(pooled_cluster_2: axon_nb.Cluster) -> None:

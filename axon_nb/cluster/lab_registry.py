@@ -155,8 +155,8 @@ class LabRegistry:
         cluster = self.cluster
         run = cluster.last_run
         if action == "stop_run":
-            if run is not None and not run.done:
-                cluster.interrupt(run._targets)  # every rank stops at the same step boundary
+            if run is not None and not run.done:  # (every rank stops at one step boundary)
+                threading.Thread(target=run.request_stop, daemon=True).start()
         elif action == "interrupt":
             cluster.interrupt()
         elif action == "restart":

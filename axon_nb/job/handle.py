@@ -113,8 +113,16 @@ class Job:
                     f"requeue): `sh {self.dir / 'run.sh'}` resumes it from its checkpoint"
                 ) from None
             raise
-        deadline = time.monotonic() + CANCEL_S  # (the ranks and torchrun exit after it)
-        while self.state not in FINAL_STATES and time.monotonic() < deadline:
+        # The ranks kept their summaries; the job's end (torchrun's, or Slurm's and its
+        # batch script's) follows. Waited for as long as ``timeout`` allows, CANCEL_S at least.
+        grace = None if timeout is None else max(CANCEL_S, timeout)
+        deadline = None if grace is None else time.monotonic() + grace
+        while self.state not in FINAL_STATES:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {self.id}'s ranks are done but the job is still {self.state!r} "
+                    f"{grace:g} s later; call wait() again"
+                )
             time.sleep(0.05)
         return result
 

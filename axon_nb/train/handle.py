@@ -19,6 +19,7 @@ from axon_nb.spec.train_spec import TrainSpec
 from axon_nb.train.presenter import RunPresenter
 from axon_nb.train.result import TrainResult, build_result
 from axon_nb.train.run_stream import LAST_PUBLICATION_S, MONITOR_S, MetricsListener, RunStream
+from axon_nb.train.training_begun import wait_until_training
 from axon_nb.train.watchdog import HangWatchdog
 from axon_nb.widgets.dashboard import Dashboard
 
@@ -171,8 +172,7 @@ class TrainHandle:
         """Stop the run at the next step boundary on every rank and keep what it did (its
         listeners are kept for :meth:`_carry_on`); what it did, ``finished`` if it had."""
         self._listeners = self._stream.hand_over()
-        if not self.done:
-            self._cluster.interrupt(self._targets)
+        self.request_stop()
         try:
             parts = self._sent.parts(soft_stop_s=SOFT_STOP_S, watch_hangs=False)
         except BaseException:
@@ -232,10 +232,23 @@ class TrainHandle:
         self._presenter.show()
 
     def stop(self, timeout: float | None = None) -> TrainResult:
-        """Stop every rank at the same step boundary and return the result so far."""
+        """Stop every rank at the same step boundary and return the result so far (a run
+        that has not begun stops after its first step)."""
+        self.request_stop()
+        return self.wait(timeout)
+
+    def request_stop(self) -> None:
+        """Ask every rank to stop at the same step boundary, without waiting for the run to
+        end: a SIGINT once each rank is training (``train/training_begun.py``; a run that
+        has not begun stops after its first step). What the lab sidebar's stop does::
+
+            handle.request_stop()
+            result = handle.wait()
+        """
+        streams = self._spec.metrics_interval_s > 0
+        wait_until_training(self._targets, lambda: self.latest, lambda: self.done, streams=streams)
         if not self.done:
             self._cluster.interrupt(self._targets)
-        return self.wait(timeout)
 
     def _tick(self) -> None:
         """Redraw the text bar (``train/progress.py``), where no dashboard is shown."""

@@ -32,6 +32,7 @@ from axon_nb.train.presenter import RunPresenter
 from axon_nb.train.publications import Publications
 from axon_nb.train.result import TrainResult, build_result
 from axon_nb.train.run_stream import MONITOR_S, MetricsListener
+from axon_nb.train.training_begun import wait_until_training
 
 if TYPE_CHECKING:
     from axon_nb.cluster.transport import ClusterLike
@@ -179,7 +180,15 @@ class KeptHandle:
         return False
 
     def stop(self, timeout: float | None = None) -> TrainResult:
-        """Stop every rank at the same step boundary and return the result so far."""
+        """Stop every rank at the same step boundary and return the result so far (a run
+        that has not begun stops after its first step: ``train/training_begun.py``)."""
+
+        def latest() -> dict[int, Any]:
+            self.poll()
+            with self._lock:
+                return dict(self._book.latest)
+
+        wait_until_training(self._targets, latest, lambda: self.done, streams=True)
         if not self.done:
             self._interrupt(self._targets)
         return self.wait(timeout)
