@@ -105,6 +105,8 @@ def test_a_run_outlives_its_killed_kernel_and_an_attached_kernel_finds_all_of_it
         assert "REFUSED run 'model' (step" in refused and str(record["kernel"]) in refused
         _ok(kc, "result = h.wait()")
         assert _value(kc, "[r['step'] for r in result.history]") == list(range(1, 601))
+        # (one thread: two spinning OpenMP threads on a loaded machine took this past 120 s)
+        _ok(kc, "import torch\ntorch.set_num_threads(1)")
         gap = _value(
             kc,
             f"(lambda ref: max(abs(a - b) for a, b in zip(result.losses, ref.losses)))("

@@ -133,18 +133,18 @@ def test_a_higher_partitions_job_preempts_with_sigterm_and_slurm_requeues_it(
 def test_the_time_limits_notice_checkpoints_and_sbatch_by_hand_resumes(
     slurm: LocalSlurm, tmp_path: Path
 ) -> None:
-    """``--signal=USR2@30`` with a one-minute limit: the notice is due 30 s in, and Slurm,
-    which checks its limits every 30 s, sends it before the limit ends (due earlier, it came
-    under load before the job's step had started, and was lost). Without requeue the job ends
-    preempted, checkpointed, and ``sh run.sh --time=10`` (``sbatch --time=10 job.sbatch``)
-    submits it again under a new id, to the uninterrupted run's result."""
-    steps = 1400  # (70 s of sleep alone: more than the first run gets)
+    """``--signal=USR2@30`` with a two-minute limit: the notice is due 90 s in, and Slurm may
+    send it up to 60 s earlier (``man sbatch``; with one minute it came as the tasks started,
+    before they could hold it, and ended them). Without requeue the job ends preempted,
+    checkpointed, and ``sh run.sh --time=10`` (``sbatch --time=10 job.sbatch``) submits it
+    again under a new id, to the uninterrupted run's result."""
+    steps = 2400  # (120 s of sleep alone: more than the first run gets)
     args = {**ARGS, "loss": slow_mse(0.05), "steps": steps}
-    job = axon_nb.submit(**args, **SLURM, time_limit="1", signal_delay_s=30,
+    job = axon_nb.submit(**args, **SLURM, time_limit="2", signal_delay_s=30,
                          job_dir=tmp_path / "limit")  # fmt: skip
     first = job.id
     with pytest.raises(AxonError, match=r"was preempted and checkpointed .*run\.sh"):
-        job.wait(timeout=150)
+        job.wait(timeout=240)
     state = json.loads((job.dir / "state.json").read_text())
     [preempted] = state["preemptions"]
     assert job.state == "preempted" and preempted["signal"] == "SIGUSR2"
@@ -170,6 +170,14 @@ def test_cancel_ends_a_slurm_job_and_bad_input_is_refused(
     assert job.state == "cancelled" and job.id not in slurm.jobs()
     with pytest.raises(ValueError, match="nodes=3 must be a positive integer that divides"):
         axon_nb.submit(**ARGS, **{**SLURM, "nodes": 3}, job_dir=tmp_path / "bad")
+    for limit, delay, message in [
+        ("1", 30, r"Slurm may send the notice up to 60 s before it is due .* at least 120 s"),
+        ("2:30", None, r"signal_delay_s=90: Slurm may send"),  # (the default delay)
+        ("1h", 30, r"time_limit='1h' is not a Slurm time: give minutes"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            axon_nb.submit(**ARGS, **SLURM, time_limit=limit, signal_delay_s=delay,
+                           job_dir=tmp_path / "bad")  # fmt: skip
     with pytest.raises(AxonError, match="Slurm refused the job"):
         axon_nb.submit(**ARGS, **SLURM, partition="nope", job_dir=tmp_path / "refused")
     assert not (tmp_path / "bad").exists()

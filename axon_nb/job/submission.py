@@ -25,11 +25,12 @@ import cloudpickle
 from axon_nb.errors import AxonError
 from axon_nb.job.handle import Job
 from axon_nb.job.job_index import index_job
-from axon_nb.job.slurm import missing_slurm, submit_to_slurm
+from axon_nb.job.slurm import SIGNAL_DELAY_S, missing_slurm, submit_to_slurm
 from axon_nb.spec.job_files import read_job, write_state
 from axon_nb.spec.kept_runs import run_dir, write_atomically
 from axon_nb.spec.make import make_spec
 from axon_nb.spec.notice_signal import check_notice_signal
+from axon_nb.spec.slurm_time import check_notice_time
 from axon_nb.spec.validation import check_world
 from axon_nb.strategies import DDP
 
@@ -97,7 +98,7 @@ def submit(
                 directory, name=spec.name, ranks=ranks, nodes=nodes or 1, requeue=requeue,
                 preempt_signal=preempt_signal, partition=partition, time_limit=time_limit,
                 gpus_per_node=gpus_per_node, account=account,
-                signal_delay_s=90 if signal_delay_s is None else signal_delay_s,
+                signal_delay_s=SIGNAL_DELAY_S if signal_delay_s is None else signal_delay_s,
             )  # fmt: skip
         except BaseException:
             (directory / "job.json").unlink(missing_ok=True)  # (no job: the dir may be reused)
@@ -127,6 +128,9 @@ def _check_arguments(launcher: str, ranks: int, preempt_signal: str, slurm: dict
     if launcher != "slurm" and given:
         raise ValueError(f"{', '.join(given)} are Slurm options: use launcher='slurm'")
     check_notice_signal(preempt_signal, cluster=False)
+    if slurm["time_limit"] is not None:
+        delay = slurm["signal_delay_s"]
+        check_notice_time(str(slurm["time_limit"]), SIGNAL_DELAY_S if delay is None else delay)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"ranks must be a positive integer, got {ranks!r}")
     nodes = slurm["nodes"]
