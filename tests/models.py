@@ -174,3 +174,15 @@ class ArrivesSlowly:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_arrived, (self.fn, self.seconds))
+
+
+def mse_slow_until(deadline: float, seconds: float):
+    """``mse`` that sleeps ``seconds`` per call until ``time.time()`` passes ``deadline`` (a
+    run that must outlast a notice, then a resumed one that need not be slow)."""
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if time.time() < deadline:
+            time.sleep(seconds)
+        return mse(output, target)
+
+    return loss

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from models import make_data, make_mlp, mse, slow_mse
+from models import make_data, make_mlp, mse, mse_slow_until, slow_mse
 from netns_hosts import IFACE, NetnsHosts
 from netns_hosts import missing as hosts_missing
 from slurm_local import LocalSlurm
@@ -130,6 +130,7 @@ def test_a_higher_partitions_job_preempts_with_sigterm_and_slurm_requeues_it(
     assert _max_difference(result.losses, reference.losses) < 1e-5
 
 
+@pytest.mark.timeout(600)
 def test_the_time_limits_notice_checkpoints_and_sbatch_by_hand_resumes(
     slurm: LocalSlurm, tmp_path: Path
 ) -> None:
@@ -138,8 +139,10 @@ def test_the_time_limits_notice_checkpoints_and_sbatch_by_hand_resumes(
     before they could hold it, and ended them). Without requeue the job ends preempted,
     checkpointed, and ``sh run.sh --time=10`` (``sbatch --time=10 job.sbatch``) submits it
     again under a new id, to the uninterrupted run's result."""
-    steps = 2400  # (120 s of sleep alone: more than the first run gets)
-    args = {**ARGS, "loss": slow_mse(0.05), "steps": steps}
+    steps = 2000  # (100 s of sleep alone: more than the first run gets)
+    # 50 ms a step for 150 s: past the notice, due 90 s in at the latest; the resumed run,
+    # after that, at full speed (on a loaded machine a step took 170 ms)
+    args = {**ARGS, "loss": mse_slow_until(time.time() + 150, 0.05), "steps": steps}
     job = axon_nb.submit(**args, **SLURM, time_limit="2", signal_delay_s=30,
                          job_dir=tmp_path / "limit")  # fmt: skip
     first = job.id
@@ -153,7 +156,7 @@ def test_the_time_limits_notice_checkpoints_and_sbatch_by_hand_resumes(
         ["sh", str(job.dir / "run.sh"), "--time=10"], capture_output=True, text=True, timeout=60
     )  # fmt: skip  (by hand, as the README says)
     assert done.returncode == 0, done.stderr
-    result = axon_nb.job(job.dir).wait(timeout=200)
+    result = axon_nb.job(job.dir).wait(timeout=300)
     assert job.id != first and job.state == "finished"
     assert [h["step"] for h in result.history] == list(range(1, steps + 1))
     reference = axon_nb.train_local(**{**ARGS, "steps": steps})

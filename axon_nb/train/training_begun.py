@@ -6,9 +6,9 @@ receives the run (the call in transit, or being unpickled), interrupts it there,
 fails; or, on an idle engine, it is lost and the run goes on to its end. So ``stop()`` right
 after ``cluster.train(..., block=False)`` first waits for each rank's first publication.
 
-Example (what ``TrainHandle.stop`` does)::
+Example (what ``TrainHandle.request_stop`` does)::
 
-    wait_until_training(handle._targets, handle.latest, lambda: handle.done, streams=True)
+    wait_until_training(targets, lambda: handle.latest, lambda: handle.done, streams=True)
     cluster.interrupt(targets)
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 
 BEGIN_S = 120.0
 """How long a stop waits for ranks that have not begun (a slow build); then it sends its
-SIGINT anyway, which interrupts what they do."""
+SIGINT anyway (a rank still building takes it as a stop too; one still receiving the run is
+interrupted)."""
 
 LOOK_S = 0.05
 
