@@ -96,3 +96,9 @@ def test_the_peak_says_its_phase_and_what_it_was_made_of() -> None:
     assert "step temporaries" not in parts
     assert sum(parts.values()) == tracker.peak
     assert tracker.peak_excluding("buckets") == tracker.peak - bucket.numel() * 4
+    # each phase's own most, counting what the phase before left alive
+    by_phase = tracker.phase_peaks
+    assert by_phase["backward"] == tracker.peak
+    assert parts["activations"] + bucket.numel() * 4 <= by_phase["forward"] < tracker.peak
+    grads = sum(p.numel() * 4 for p in model.parameters())
+    assert grads + bucket.numel() * 4 <= by_phase["step"] < by_phase["forward"]

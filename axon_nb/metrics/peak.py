@@ -23,7 +23,8 @@ gradients, optimizer state and DDP's gradient buckets) plus the most tracked byt
 once during the step (activations, gradients, gathered FSDP parameters, communication
 buffers, optimizer temporaries), with the phase that held it (``peak_phase``: forward,
 backward, step, or pipeline for a schedule's interleaved ones, marked by the loop with
-:func:`mark_phase`) and the bytes by part (``peak_parts``, :meth:`PeakTracker.breakdown`).
+:func:`mark_phase`), each phase's own most (``peak_by_phase``) and the bytes by part
+(``peak_parts``, :meth:`PeakTracker.breakdown`).
 
 Example::
 
@@ -72,6 +73,7 @@ def mark_phase(phase: str) -> None:
     for tracker in _ACTIVE:
         tracker.phase = phase
         tracker._marks.append((tracker._seq, phase))
+        tracker._note_phase_peak()
 
 
 @contextlib.contextmanager
@@ -115,6 +117,10 @@ class PeakTracker(TorchDispatchMode):
         self.kind: str | None = None
         """What storage made now is, when not the phase's default (:func:`attributed`)."""
         self.peak_phase = "forward"
+        self.phase_peaks: dict[str, int] = {self.phase: 0}
+        """The most bytes alive at once while each phase ran (from its start, so what the
+        phase before left alive counts). Forward and backward often come within a few percent
+        of each other: this says how near the peak's phase came to losing it."""
         self._live: dict[int, int] = {}  # storage identity -> bytes counted for it
         self._before: dict[int, int] = {}  # bytes a storage had before this tracker saw it
         self._rows: dict[int, _Row] = {}  # storage identity -> its row, while alive
@@ -241,10 +247,15 @@ class PeakTracker(TorchDispatchMode):
         self.current += counted - self._live[key]
         self._live[key] = counted
         self._rows[key].changes.append((self._seq, counted))
+        self._note_phase_peak()
         if self.current > self.peak:
             self.peak = self.current
             self.peak_phase = self.phase
             self._peak_seq = self._seq
+
+    def _note_phase_peak(self) -> None:
+        if self.current > self.phase_peaks.get(self.phase, -1):
+            self.phase_peaks[self.phase] = self.current
 
     def _release(self, key: int) -> None:
         if self._active:

@@ -42,8 +42,9 @@ class Comparison:
     ``predicted_peak_bytes`` and ``predicted_comm_bytes`` (None where there is none, and then
     ``prediction_note`` says why, also in the table's status column); ``peak_phase`` and
     ``predicted_peak_phase``: the phase that held (or is predicted to hold) the peak
-    (``forward``, ``backward``, ``step`` or ``pipeline``; None where unknown, as on GPUs).
-    A table in the notebook and as text."""
+    (``forward``, ``backward``, ``step`` or ``pipeline``; None where unknown, as on GPUs),
+    and ``peak_by_phase``: the largest rank's most in each phase (forward and backward often
+    come within a few percent of each other). A table in the notebook and as text."""
 
     rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -146,12 +147,12 @@ def _figures(result: Any, warmup: int) -> dict[str, Any]:
     measured = result.history[warmup:]
     step_time = statistics.median(h["step_time_s"] for h in measured)
     comm_time = statistics.median(h["per_rank"]["comm_time_s"][0] for h in measured)
+    largest = max(result.memory, key=lambda m: int(m.get("peak_bytes", 0)))
     return {
         "samples_per_s": statistics.median(h["samples_per_s"] for h in measured),
-        "peak_bytes": max(int(m.get("peak_bytes", 0)) for m in result.memory),
-        "peak_phase": max(result.memory, key=lambda m: int(m.get("peak_bytes", 0))).get(
-            "peak_phase"
-        ),
+        "peak_bytes": int(largest.get("peak_bytes", 0)),
+        "peak_phase": largest.get("peak_phase"),
+        "peak_by_phase": largest.get("peak_by_phase", {}),
         "comm_bytes_per_step": max(
             statistics.mean(h["per_rank"]["comm_bytes"][rank] for h in measured)
             for rank in range(len(measured[0]["per_rank"]["comm_bytes"]))

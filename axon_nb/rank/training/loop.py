@@ -188,7 +188,8 @@ class _Loop:
         """The step at which a stream ran out on some rank (every rank stopped there)."""
         self.memory: dict[str, Any] = {}
         self.peak_detail: dict[str, Any] = {}
-        """``peak_phase`` and ``peak_parts`` of the tracked step with the highest peak."""
+        """``peak_phase`` and ``peak_parts`` of the tracked step with the highest peak, and
+        ``peak_by_phase``: each phase's most over the tracked steps."""
         self.loss_share = state.parallel.dims.loss_share(ctx.rank)
         """Weight of this rank's loss in the global mean; 0 on a pipeline's earlier stages."""
         self.peak_bytes: int | None = None
@@ -237,6 +238,18 @@ class _Loop:
                 "or more data"
             )
 
+    def _note_peak(self, tracker: PeakTracker, held: dict[str, int]) -> None:
+        """Keep a tracked step's peak if it is the highest yet, and each phase's most."""
+        state, at_start = self.state, sum(held.values())
+        by_phase = dict(self.peak_detail.get("peak_by_phase", {}))
+        for phase, nbytes in tracker.phase_peaks.items():
+            by_phase[phase] = max(by_phase.get(phase, 0), at_start + nbytes)
+        if at_start + tracker.peak > (self.peak_bytes or 0):
+            self.peak_bytes = at_start + tracker.peak
+            self.peak_detail = peak_parts(tracker, held, state.model, state.optimizer)
+        self.peak_detail["peak_by_phase"] = by_phase
+        tracker.close()
+
     def step(self, microbatches: list[Any], stop: StopSignal, *, last: bool) -> None:
         spec, state = self.spec, self.state
         lr = state.optimizer.param_groups[0]["lr"]
@@ -251,11 +264,7 @@ class _Loop:
         with PeakTracker() if track else contextlib.nullcontext() as tracker:
             loss, norm = self._update(microbatches)
         if tracker is not None:
-            peak = sum(held.values()) + tracker.peak
-            if peak > (self.peak_bytes or 0):
-                self.peak_bytes = peak
-                self.peak_detail = peak_parts(tracker, held, state.model, state.optimizer)
-            tracker.close()
+            self._note_peak(tracker, held)
         publish = last or self.publisher.due()
         if publish:  # before zero_grad, so gradients count
             self.memory = memory.snapshot(
