@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import pathlib
@@ -185,6 +186,13 @@ class Cluster(FeatureDelegates):  # (a ClusterLike: Transport, and what features
         else:
             self.stop()
 
+    def _runs_elsewhere(self) -> bool:
+        """True while another kernel's run trains on this (detached) cluster's ranks: they
+        would act on a shutdown request only once it ends."""
+        with contextlib.suppress(OSError):
+            return self.detached is not None and self.detached.busy_run() is not None
+        return False
+
     def _stop(self) -> None:
         atexit.unregister(self._at_exit)
         if self._registry is not None:
@@ -196,7 +204,9 @@ class Cluster(FeatureDelegates):  # (a ClusterLike: Transport, and what features
             if self.log is not None:
                 startup.copy_launcher_output(self._ipp, self.log)
             with mpi_leftovers.removed_after(self.ranks, self.options.engines):
-                stopping.end_cluster(self._ipp, self._client, ask=not self._broken)
+                stopping.end_cluster(
+                    self._ipp, self._client, ask=not self._broken, busy=self._runs_elsewhere()
+                )
             self._ipp = None
         if self._client is not None:
             self._client.close()

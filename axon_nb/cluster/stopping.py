@@ -163,14 +163,16 @@ def _pids(launchers: Any) -> list[int]:
     ]
 
 
-def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool) -> None:
+def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool, busy: bool = False) -> None:
     """End every process of ``ipp_cluster``, engines first, by the steps of ``stop_waits``:
     with ``ask`` and idle engines, a shutdown request through ``client`` first (a busy engine
-    acts on it only when its cell ends). Without ``ask`` (a rank died: survivors may be stuck
-    in collectives, and nothing on a broken world is kept) the engines are SIGKILLed at once."""
+    acts on it only when its cell ends: ``busy`` says the ranks run work ``client`` did not
+    send, as another kernel's run on a detached cluster, and skips it). Without ``ask`` (a
+    rank died: survivors may be stuck in collectives, and nothing on a broken world is kept)
+    the engines are SIGKILLed at once."""
     engines = launcher_pids(ipp_cluster, controller=False)
     tree = process_tree(engines)
-    if ask and client is not None:
+    if ask and not busy and client is not None:
         with contextlib.suppress(Exception):
             if not client.outstanding:
                 client.shutdown(targets="all", block=False)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 ASK_S = 2.0
 """Wait for engines asked to exit before signalling them (skipped when a rank is known dead
-or busy: a busy engine does not act on the request until its cell ends)."""
+or busy: a busy engine does not act on the request until its cell ends; busy also with
+another kernel's run on a detached cluster)."""
 
 TERM_S = 3.0
 """A rank's parent waits this long after passing SIGTERM on, then SIGKILLs the engine's tree."""
