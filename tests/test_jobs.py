@@ -21,6 +21,7 @@ from models import make_data, make_mlp, mse, slow_mse
 import axon_nb
 from axon_nb import DDP, FSDP
 from axon_nb.errors import AxonError
+from axon_nb.spec.kept_runs import output_path
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -71,6 +72,22 @@ def test_a_job_runs_without_its_kernel_and_cancel_ends_it(tmp_path: Path) -> Non
     job.cancel()
     assert job.state == "cancelled"
     assert wait_gone(pids, 15) == []
+
+
+def test_a_run_that_streams_nothing_stops_at_once(tmp_path: Path) -> None:
+    """``metrics_interval_s=0``: no publication says the ranks began, so ``stop()`` does not
+    wait for one (``training_begun.BEGIN_S``, 120 s) before its SIGINT."""
+    args = {**ARGS, "loss": slow_mse(0.05, say_at=5, text="AT STEP 5"), "steps": 2000}
+    job = axon_nb.submit(**args, ranks=2, metrics_interval_s=0, job_dir=tmp_path / "quiet")
+    outputs = [output_path(job.dir, rank) for rank in range(2)]
+    deadline = time.monotonic() + 120
+    while not all(p.exists() and "AT STEP 5" in p.read_text() for p in outputs):
+        assert job.state in ("submitted", "running") and time.monotonic() < deadline, job.state
+        time.sleep(0.1)
+    started = time.monotonic()
+    result = job.stop(timeout=60)
+    assert time.monotonic() - started < 60  # (it waited out BEGIN_S before)
+    assert 5 <= result.step < 2000 and job.state == "finished", (result.step, job.state)
 
 
 def test_bad_input_is_refused_before_anything_is_written(

@@ -125,15 +125,20 @@ class Detached:
         """Count this kernel as attached (until it exits or stops the cluster)."""
         records.hold_lease(self.root)
 
-    def note_run(self, name: str, run: str, steps: int, targets: list[int], strategy: str) -> None:
+    def note_run(
+        self, name: str, run: str, steps: int, targets: list[int], strategy: str, *,
+        streams: bool = True,
+    ) -> None:  # fmt: skip
         """Before run ``name`` goes to the ranks: who started it, for attaching kernels (the
-        files of an earlier run of that name go)."""
+        files of an earlier run of that name go); ``streams``: its ranks publish as they go
+        (``metrics_interval_s > 0``)."""
         self.refuse_if_busy()
         directory = run_dir(self.root, name)
         directory.parent.mkdir(mode=0o700, exist_ok=True)
         directory.mkdir(mode=0o700, exist_ok=True)
         started = {"run": run, "steps": steps, "targets": targets, "strategy": strategy,
-                   "kernel_pid": os.getpid(), "started_at": time.time()}  # fmt: skip
+                   "kernel_pid": os.getpid(), "started_at": time.time(),
+                   "streams": streams}  # fmt: skip
         write_atomically(directory / "run.json", json.dumps(started).encode())
         for old in directory.iterdir():  # (the earlier run's stream and summaries)
             if old.name != "run.json":

@@ -113,8 +113,24 @@ class Job:
                     f"requeue): `sh {self.dir / 'run.sh'}` resumes it from its checkpoint"
                 ) from None
             raise
-        # The ranks kept their summaries; the job's end (torchrun's, or Slurm's and its
-        # batch script's) follows. Waited for as long as ``timeout`` allows, CANCEL_S at least.
+        self._wait_for_end(timeout)
+        return result
+
+    def stop(self, timeout: float | None = None) -> TrainResult:
+        """Stop every rank at the same step boundary (a run that has not begun stops after
+        its first step), wait for the job to end, and return the result so far; the job is
+        then ``finished``. ``cancel()`` ends it where it is instead. Example::
+
+            result = job.stop()
+            result.step  # the step every rank stopped after
+        """
+        result = self.handle().stop(timeout)
+        self._wait_for_end(timeout)
+        return result
+
+    def _wait_for_end(self, timeout: float | None) -> None:
+        """The ranks kept their summaries; the job's end (torchrun's, or Slurm's and its
+        batch script's) follows. Waited for as long as ``timeout`` allows, CANCEL_S at least."""
         grace = None if timeout is None else max(CANCEL_S, timeout)
         deadline = None if grace is None else time.monotonic() + grace
         while self.state not in FINAL_STATES:
@@ -124,7 +140,6 @@ class Job:
                     f"{grace:g} s later; call wait() again"
                 )
             time.sleep(0.05)
-        return result
 
     def cancel(self) -> None:
         """End the job; its state becomes ``cancelled``. A torchrun job's ranks stop where

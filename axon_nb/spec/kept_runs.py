@@ -3,7 +3,8 @@ later finds the whole run (``axon_nb.attach``).
 
 Layout, under the cluster's owner-only directory (``cluster/detached.py``)::
 
-    runs/<name>/run.json          the kernel that started the run: run id, steps, ranks, pid
+    runs/<name>/run.json          the kernel that started the run: run id, steps, ranks, pid,
+                                  whether its ranks publish as they go (``streams``)
     runs/<name>/rank-<r>.jsonl    every metrics publication of rank r (axon_nb.metrics/1)
     runs/<name>/rank-<r>.end      rank r's summary (pickle), written once it returned
     output/rank-<r>.out           rank r's stdout and stderr (rotated to .out.1)

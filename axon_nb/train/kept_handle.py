@@ -188,7 +188,8 @@ class KeptHandle:
             with self._lock:
                 return dict(self._book.latest)
 
-        wait_until_training(self._targets, latest, lambda: self.done, streams=True)
+        streams = bool(self._started.get("streams", True))  # (a run without publications)
+        wait_until_training(self._targets, latest, lambda: self.done, streams=streams)
         if not self.done:
             self._interrupt(self._targets)
         return self.wait(timeout)

@@ -57,5 +57,6 @@ def send_run(cluster: ClusterLike, spec: TrainSpec) -> tuple[Sent, str]:
     if (shared_eval := notebook_data.share(cluster, spec.eval_data)) is not None:
         sent = dataclasses.replace(sent, eval_data=shared_eval)  # the same way as data
     if cluster.detached is not None:  # (for kernels that attach later)
-        cluster.detached.note_run(spec.name, run, spec.steps, targets, spec.strategy.describe())
+        cluster.detached.note_run(spec.name, run, spec.steps, targets, spec.strategy.describe(),
+                                  streams=spec.metrics_interval_s > 0)  # fmt: skip
     return cluster.send(entry.train, sent, run), run  # (pickled once, with the call)
