@@ -86,7 +86,7 @@ def submit(
     (directory / "spec.pkl").write_bytes(payload)
     started = {"run": run, "steps": spec.steps, "targets": list(range(ranks)),
                "strategy": spec.strategy.describe(), "kernel_pid": 0,
-               "started_at": time.time(), "streams": spec.metrics_interval_s > 0}  # fmt: skip
+               "started_at": time.time(), "streams": spec.streams}  # fmt: skip
     run_dir(directory, spec.name).mkdir(parents=True, mode=0o700)
     write_atomically(run_dir(directory, spec.name) / "run.json", json.dumps(started).encode())
     write_atomically(directory / "job.json", json.dumps(job, indent=1).encode())

@@ -141,6 +141,12 @@ class TrainSpec:
     def optimizer_kwargs(self) -> dict[str, Any]:
         return dict(self.optimizer[1]) if isinstance(self.optimizer, tuple) else {}
 
+    @property
+    def streams(self) -> bool:
+        """The ranks publish metrics as they go (``metrics_interval_s > 0``): a stop can see
+        when they began (``train/training_begun.py``)."""
+        return self.metrics_interval_s > 0
+
 
 CALLER_DEFAULTS = {"model": None, "data": None, "strategy": None, "optimizer": None}
 """Options the spec requires but every function that takes them defaults to None:

@@ -245,8 +245,9 @@ class TrainHandle:
             handle.request_stop()
             result = handle.wait()
         """
-        streams = self._spec.metrics_interval_s > 0
-        wait_until_training(self._targets, lambda: self.latest, lambda: self.done, streams=streams)
+        wait_until_training(
+            self._targets, lambda: self.latest, lambda: self.done, streams=self._spec.streams
+        )
         if not self.done:
             self._cluster.interrupt(self._targets)
 

@@ -58,5 +58,5 @@ def send_run(cluster: ClusterLike, spec: TrainSpec) -> tuple[Sent, str]:
         sent = dataclasses.replace(sent, eval_data=shared_eval)  # the same way as data
     if cluster.detached is not None:  # (for kernels that attach later)
         cluster.detached.note_run(spec.name, run, spec.steps, targets, spec.strategy.describe(),
-                                  streams=spec.metrics_interval_s > 0)  # fmt: skip
+                                  streams=spec.streams)  # fmt: skip
     return cluster.send(entry.train, sent, run), run  # (pickled once, with the call)
