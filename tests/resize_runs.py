@@ -33,6 +33,19 @@ def slow_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return lm_loss(output, target)
 
 
+def slow_until_resized(old: int):  # type: ignore[no-untyped-def]
+    """``lm_loss``, 0.5 s slower while the world still has ``old`` ranks: the resize's stop
+    lands mid-run however slow the machine (CI's 2 loaded cores once let 21 steps of
+    ``slow_loss`` finish before it), and the steps after it cost nothing more."""
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if torch.distributed.get_world_size() == old:
+            time.sleep(0.5)
+        return lm_loss(output, target)
+
+    return loss
+
+
 @functools.cache
 def reference(steps: int = STEPS) -> axon_nb.TrainResult:
     return axon_nb.train_local(**RUN, steps=steps)
@@ -65,8 +78,9 @@ def resize_during_run(
     resize to ``new`` ranks once it has done 3 steps and wait for its end: its result
     (checked to equal the reference) and what the resize said."""
     old = len(cluster.ranks)
-    handle = cluster.train(**{**RUN, "loss": slow_loss}, strategy=strategy, steps=STEPS,
-                           metrics_interval_s=0.1, block=False, **(train or {}))  # fmt: skip
+    handle = cluster.train(**{**RUN, "loss": slow_until_resized(old)}, strategy=strategy,
+                           steps=STEPS, metrics_interval_s=0.1, block=False,
+                           **(train or {}))  # fmt: skip
     while len(handle.history) < 3:
         time.sleep(0.02)
     changed = cluster.resize(new, **resize)

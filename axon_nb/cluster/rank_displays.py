@@ -151,6 +151,11 @@ class LiveOutput:
     # -- what came -----------------------------------------------------------------------
 
     def _show_pending(self, *, final: bool) -> None:
+        # The text is read before the queue: a message that came after it is in the queue,
+        # so a ``clear_output`` that came before a line is handled before that line shows
+        # (read after, a line printed after the clear could show outside the region).
+        texts = {rank: {name: _text(part, name) for name in self._files}
+                 for rank, part in self._parts.items()}  # fmt: skip
         early_ids = {id(m["content"]) for _, m, _ in self._early}
         messages, self._early = self._early, []
         while True:
@@ -165,9 +170,9 @@ class LiveOutput:
             for name, end in ended.items():  # the lines printed before it first
                 self._on_text(region, name, _text(self._parts[rank], name)[:end], ended_only=True)
             self._on_message(region, msg)
-        for rank, part in self._parts.items():
-            for name in self._files:
-                self._on_text(self._regions[rank], name, _text(part, name), final=final)
+        for rank, read in texts.items():
+            for name, text in read.items():
+                self._on_text(self._regions[rank], name, text, final=final)
 
     def _on_message(self, region: _Region, msg: dict[str, Any]) -> None:
         kind = msg["header"]["msg_type"]
@@ -210,6 +215,8 @@ class LiveOutput:
         """Show the rank's new ended lines, and its unended last line unless ``ended_only``
         (``final``: as an ended one)."""
         line = region.lines[name]
+        if len(text) < line.offset:  # (read before a message whose lines were shown)
+            return
         new = text[line.offset :]
         ended, newline, tail = new.rpartition("\n")
         if newline:
