@@ -91,6 +91,41 @@ def test_a_rank_that_had_not_started_a_failing_cell_skips_it_and_did_not_fail(
     _all_reduce_works(pooled_cluster_2, capsys)
 
 
+SLOW_TO_UNWIND = """
+import signal, time, torch, torch.distributed as dist
+t = torch.ones(1024)
+if rank == 0:
+    try:
+        while True:
+            time.sleep(0.01)
+    except KeyboardInterrupt:  # 4 s to unwind, as a starved rank of a loaded machine takes
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            pass
+        raise
+else:
+    dist.all_reduce(t)  # rank 0 never comes: stuck here until released
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_quick_second_ctrl_c_waits_for_a_rank_slow_to_unwind_before_releasing_its_peer(
+    pooled_cluster_2: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two quick Ctrl-Cs while rank 0 takes 4 s to unwind and rank 1 waits in a collective
+    rank 0 never issues. The kernel must wait for rank 0 to come out before it gives up on
+    telling which rank is stuck, then release rank 1: CI once gave up after 2 s, and rank 0's
+    next all-reduce paired with rank 1's stale one (gloo aborted rank 0)."""
+    threading.Timer(2.0, signal.raise_signal, (signal.SIGINT,)).start()
+    threading.Timer(2.5, signal.raise_signal, (signal.SIGINT,)).start()  # (the impatient one)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pooled_cluster_2.execute(SLOW_TO_UNWIND)
+    assert time.monotonic() - started < 20
+    _all_reduce_works(pooled_cluster_2, capsys)
+
+
 def _all_reduce_works(cluster: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]) -> None:
     capsys.readouterr()
     cluster.execute("import torch.distributed as dist, torch\nt = torch.ones(1)\n"

@@ -7,6 +7,7 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,8 @@ class Control:
         self.world_ranks = world_ranks
         self.stacks = stacks
         self.released = False
+        self.interrupted_at: float | None = None
+        """When :meth:`interrupt` last sent SIGINT (``time.monotonic()``)."""
 
     def where(self, ranks: list[int]) -> str:
         if self.stacks is None or not ranks:
@@ -54,6 +57,7 @@ class Control:
             return f"(their stacks could not be taken: {e})"
 
     def interrupt(self, ranks: list[int]) -> None:
+        self.interrupted_at = time.monotonic()
         self.signal(ranks, signal.SIGINT)
 
     def abort(self, work: dict[int, list[str]]) -> None:

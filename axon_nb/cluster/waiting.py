@@ -38,6 +38,9 @@ round when some are left in a collective) before the kernel stops waiting."""
 class RankControl(Protocol):
     """What waiting needs from the cluster to unstick ranks."""
 
+    interrupted_at: float | None
+    """When SIGINT last went to ranks (``time.monotonic()``); None before."""
+
     def interrupt(self, ranks: list[int]) -> None:
         """Send SIGINT to ``ranks``."""
 
@@ -243,10 +246,18 @@ def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankCont
     """After the kernel stopped waiting on a Ctrl-C (however quickly a second one came):
     release the ranks still inside the interrupted work, so that none is left in a collective
     its peers left (the next collective would pair with it and abort the rank). When every
-    rank is still busy, the first to unwind is waited for up to ``STUCK_AFTER_S``; when none
-    is, their collective counts are compared (``control.check_in_step``)."""
+    rank is still busy, the first to unwind is waited for, until ``STUCK_AFTER_S +
+    INTERRUPT_GRACE_S`` after the SIGINT (as one Ctrl-C waits): until one has, none can be
+    told stuck. On a loaded machine a rank can take seconds to unwind while its peer waits in
+    a collective; given up on after 2 s, the rank that came out later ran the next cell's
+    collective against its peer's stale one, and gloo aborted it. When none is busy, their
+    collective counts are compared (``control.check_in_step``)."""
     parts = dict(zip(ranks, ar.split(), strict=True))
-    end = time.monotonic() + STUCK_AFTER_S
+    now = time.monotonic()
+    sent = control.interrupted_at
+    # (no SIGINT went: the ranks run on, in step; the first to finish is no sign of a stuck one)
+    end = now + STUCK_AFTER_S if sent is None else max(sent + STUCK_AFTER_S + INTERRUPT_GRACE_S,
+                                                       now + STUCK_AFTER_S)  # fmt: skip
     while not any(p.ready() for p in parts.values()) and time.monotonic() < end:
         time.sleep(0.05)
     busy = _running(parts)
