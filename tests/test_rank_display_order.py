@@ -58,12 +58,16 @@ def shown(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     return published
 
 
+def _watched(rank: int, printed: str) -> tuple[RacingPart, io.StringIO, Any]:
+    """A rank that has printed ``printed``, the cell's stdout, and the live output of both."""
+    part, out = RacingPart(printed), io.StringIO()
+    return part, out, rank_displays.LiveOutput({rank: part}, out, io.StringIO())
+
+
 def test_a_line_printed_after_a_clear_shows_in_the_region_whatever_the_timing(
     shown: list[tuple[str, bool]],
 ) -> None:
-    part = RacingPart("kept line\n")
-    out = io.StringIO()
-    live = rank_displays.LiveOutput({1: part}, out, io.StringIO())
+    part, out, live = _watched(1, "kept line\n")
     # The IO thread delivers the rank's clear_output(wait=True), then its "tick 0" line,
     # between the main thread's look at the queue and its read of the text.
     part.then = [("message", "clear_output"), ("text", "tick 0\n")]
@@ -76,9 +80,7 @@ def test_a_line_printed_after_a_clear_shows_in_the_region_whatever_the_timing(
 def test_a_loop_of_clear_and_print_rewrites_one_slot_under_the_same_race(
     shown: list[tuple[str, bool]],
 ) -> None:
-    part = RacingPart("")
-    out = io.StringIO()
-    live = rank_displays.LiveOutput({0: part}, out, io.StringIO())
+    part, out, live = _watched(0, "")
     for tick in range(3):
         part.then = [("message", "clear_output"), ("text", f"tick {tick}\n")]
         live.flush()
