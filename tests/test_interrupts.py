@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import ctrl_c_when
 
 import axon_nb
 
@@ -92,11 +93,13 @@ def test_a_rank_that_had_not_started_a_failing_cell_skips_it_and_did_not_fail(
 
 
 SLOW_TO_UNWIND = """
-import signal, time, torch, torch.distributed as dist
+import pathlib, signal, time, torch, torch.distributed as dist
 t = torch.ones(1024)
 if rank == 0:
     try:
-        while True:
+        pathlib.Path(MARKER).touch()  # (the Ctrl-Cs come once rank 0 is in here)
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
             time.sleep(0.01)
     except KeyboardInterrupt:  # 4 s to unwind, as a starved rank of a loaded machine takes
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -111,18 +114,24 @@ else:
 
 @pytest.mark.timeout(120)
 def test_a_quick_second_ctrl_c_waits_for_a_rank_slow_to_unwind_before_releasing_its_peer(
-    pooled_cluster_2: axon_nb.Cluster, capsys: pytest.CaptureFixture[str]
+    pooled_cluster_2: axon_nb.Cluster, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     """Two quick Ctrl-Cs while rank 0 takes 4 s to unwind and rank 1 waits in a collective
     rank 0 never issues. The kernel must wait for rank 0 to come out before it gives up on
     telling which rank is stuck, then release rank 1: CI once gave up after 2 s, and rank 0's
     next all-reduce paired with rank 1's stale one (gloo aborted rank 0)."""
-    threading.Timer(2.0, signal.raise_signal, (signal.SIGINT,)).start()
-    threading.Timer(2.5, signal.raise_signal, (signal.SIGINT,)).start()  # (the impatient one)
-    started = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        pooled_cluster_2.execute(SLOW_TO_UNWIND)
-    assert time.monotonic() - started < 20
+    marker = tmp_path / "rank-0-waits"
+    first = ctrl_c_when(marker.exists)
+    second = ctrl_c_when(lambda: marker.exists() and time.time() > marker.stat().st_mtime + 0.5)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pooled_cluster_2.execute(SLOW_TO_UNWIND.replace("MARKER", repr(str(marker))))
+    finally:
+        first.set()
+        second.set()
+    err = capsys.readouterr().err
+    assert "Waiting up to" in err  # (the second Ctrl-C came while every rank was still busy)
+    assert "process group was re-formed" in err  # (rank 1 was released)
     _all_reduce_works(pooled_cluster_2, capsys)
 
 

@@ -89,3 +89,16 @@ def test_a_loop_of_clear_and_print_rewrites_one_slot_under_the_same_race(
     # one slot, rewritten: tick 0 shown, then emptied and refilled by each later tick
     assert [text for text, _ in shown if text] == ["[rank 0] tick 0", "[rank 0] tick 1",
                                                    "[rank 0] tick 2"]  # fmt: skip
+
+
+def test_a_read_older_than_the_lines_already_shown_shows_nothing(
+    shown: list[tuple[str, bool]],
+) -> None:
+    """A progress line rewritten (``\\r``) and ended after the text was read: ipyparallel keeps
+    only the rewritten line, so the older read is longer than what was shown from the newer
+    one. Read past what was shown, it would print a fragment of the old line."""
+    part, out, live = _watched(0, "")
+    region = live._regions[0]
+    live._on_text(region, "stdout", "done\n")  # (a message's lines, from the newer text)
+    live._on_text(region, "stdout", "progress 10/10 long", final=True)  # (the older read)
+    assert out.getvalue() == "[rank 0] done\n" and shown == []

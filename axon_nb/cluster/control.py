@@ -57,8 +57,9 @@ class Control:
             return f"(their stacks could not be taken: {e})"
 
     def interrupt(self, ranks: list[int]) -> None:
-        self.interrupted_at = time.monotonic()
-        self.signal(ranks, signal.SIGINT)
+        at = time.monotonic()
+        if self.signal(ranks, signal.SIGINT):
+            self.interrupted_at = at
 
     def abort(self, work: dict[int, list[str]]) -> None:
         """Each rank in ``work`` skips its messages there if it has not started them yet
@@ -77,13 +78,14 @@ class Control:
         # SIGINT; not waiting for it is no failure worth a word.
         concurrent.futures.wait(sent, timeout=ABORT_REPLY_S)
 
-    def signal(self, ranks: list[int], sig: int) -> None:
+    def signal(self, ranks: list[int], sig: int) -> bool:
         """Send ``sig`` to ``ranks`` (SIGUSR1: ``faulthandler`` dumps their stacks); ranks whose
-        engine the controller has dropped (dead) are skipped."""
+        engine the controller has dropped (dead) are skipped. Whether it went out (a nanny
+        that did not confirm in time may still have sent it)."""
         alive = set(self.client.ids)
         ranks = [r for r in ranks if r in alive]
         if not ranks:
-            return
+            return False
         try:  # through the engines' nannies, so it works for any launcher and host
             replies = self.client.send_signal(sig, targets=ranks, block=False)
             failed = [
@@ -99,6 +101,8 @@ class Control:
             )
         except Exception as e:  # a dead engine cannot be signalled; the waiting loop says so
             print(f"could not signal ranks {ranks}: {e}", file=sys.stderr)
+            return False
+        return True
 
     def release(self, stuck: list[int]) -> None:
         alive = set(self.client.ids)  # (a dead rank's engine cannot be asked anything)

@@ -117,7 +117,7 @@ def collect(
     watch: WatchDir,
     ranks: list[int],
     *,
-    signal_native: Callable[[list[int]], None] | None = None,
+    signal_native: Callable[[list[int]], object] | None = None,
     timeout: float = ANSWER_S,
 ) -> StackReport:
     """Every rank's stacks now; ranks that do not answer get ``signal_native`` (SIGUSR1)."""

@@ -215,7 +215,7 @@ class LiveOutput:
         """Show the rank's new ended lines, and its unended last line unless ``ended_only``
         (``final``: as an ended one)."""
         line = region.lines[name]
-        if len(text) < line.offset:  # (read before a message whose lines were shown)
+        if line.offset > text.rfind("\n") + 1:  # (read before a message whose lines showed)
             return
         new = text[line.offset :]
         ended, newline, tail = new.rpartition("\n")

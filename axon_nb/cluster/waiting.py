@@ -253,18 +253,26 @@ def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankCont
     collective against its peer's stale one, and gloo aborted it. When none is busy, their
     collective counts are compared (``control.check_in_step``)."""
     parts = dict(zip(ranks, ar.split(), strict=True))
-    now = time.monotonic()
     sent = control.interrupted_at
-    # (no SIGINT went: the ranks run on, in step; the first to finish is no sign of a stuck one)
-    end = now + STUCK_AFTER_S if sent is None else max(sent + STUCK_AFTER_S + INTERRUPT_GRACE_S,
-                                                       now + STUCK_AFTER_S)  # fmt: skip
-    while not any(p.ready() for p in parts.values()) and time.monotonic() < end:
-        time.sleep(0.05)
+    _until_one_ready(parts, time.monotonic() + STUCK_AFTER_S)
+    # (no SIGINT went: the ranks run on, in step; one rank: there is no peer to release)
+    if sent is not None and len(parts) > 1 and not any(p.ready() for p in parts.values()):
+        end = sent + STUCK_AFTER_S + INTERRUPT_GRACE_S
+        if end > time.monotonic():
+            print(f"Waiting up to {end - time.monotonic():.0f} s for a rank to come out of the "
+                  "interrupted call (until one has, none can be told stuck) ...",
+                  file=sys.stderr)  # fmt: skip
+            _until_one_ready(parts, end)
     busy = _running(parts)
     if busy and len(busy) < len(parts):
         control.release(busy)
     elif not busy:  # one may have stopped just before issuing the collective the others did
         control.check_in_step()
+
+
+def _until_one_ready(parts: dict[int, ipp.AsyncResult], end: float) -> None:
+    while not any(p.ready() for p in parts.values()) and time.monotonic() < end:
+        time.sleep(0.05)
 
 
 def _soft_stop(
@@ -295,8 +303,8 @@ def _forward_interrupt(
     running = _running(parts)
     if not running:
         return
-    print(f"Interrupting ranks {_fmt(running)} ...", file=sys.stderr)
     try:
+        print(f"Interrupting ranks {_fmt(running)} ...", file=sys.stderr)
         started = time.monotonic()
         _interrupt(parts, control, running)
         if not _unstick(parts, control, streams):
