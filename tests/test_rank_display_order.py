@@ -97,7 +97,7 @@ def test_a_read_older_than_the_lines_already_shown_shows_nothing(
     """A progress line rewritten (``\\r``) and ended after the text was read: ipyparallel keeps
     only the rewritten line, so the older read is longer than what was shown from the newer
     one. Read past what was shown, it would print a fragment of the old line."""
-    part, out, live = _watched(0, "")
+    _, out, live = _watched(0, "")
     region = live._regions[0]
     live._on_text(region, "stdout", "done\n")  # (a message's lines, from the newer text)
     live._on_text(region, "stdout", "progress 10/10 long", final=True)  # (the older read)
