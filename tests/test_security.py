@@ -167,7 +167,7 @@ def test_no_file_of_the_cluster_opens_for_a_stranger(other_users_cluster: Owned)
         for root in roots
         for top, dirs, files in os.walk(root)
         for name in files
-        if _owner(os.path.join(top, name)) == other_users_cluster.uid
+        if (found := _lstat(os.path.join(top, name))) and found.st_uid == other_users_cluster.uid
     ]
     # the cluster wrote its certificates, logs, connection files and dask's scratch by now
     assert any(path.endswith("client-key.pem") for path in made), made
@@ -204,8 +204,9 @@ def test_no_file_of_the_cluster_opens_for_a_stranger(other_users_cluster: Owned)
         for top, _, _ in os.walk(root)
         if not top.startswith(str(other_users_cluster.home))
         and HOME_PREFIX not in top  # (another run's test home, and what it holds)
-        and _owner(top) == other_users_cluster.uid
-        and _mode(top) & 0o077
+        and (found := _lstat(top))
+        and found.st_uid == other_users_cluster.uid
+        and found.st_mode & 0o077
         and not _under_private(top)
     ]
     assert shared == [], shared
@@ -219,21 +220,13 @@ def test_the_docs_list_every_port_and_what_protects_it() -> None:
         assert heading in section
 
 
-def _owner(path: str) -> int | None:
-    """``path``'s owner, or None once it is gone (other tests' temporary files come and go
+def _lstat(path: str) -> os.stat_result | None:
+    """``os.lstat(path)``, or None once it is gone (other tests' temporary files come and go
     while the walk runs: pytest deletes old ``garbage-*`` directories at any time)."""
     try:
-        return os.lstat(path).st_uid
+        return os.lstat(path)
     except FileNotFoundError:
         return None
-
-
-def _mode(path: str) -> int:
-    """``path``'s mode, or 0 once it is gone."""
-    try:
-        return os.lstat(path).st_mode
-    except FileNotFoundError:
-        return 0
 
 
 def _under_private(path: str) -> bool:

@@ -254,9 +254,9 @@ def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankCont
     collective counts are compared (``control.check_in_step``)."""
     parts = dict(zip(ranks, ar.split(), strict=True))
     sent = control.interrupted_at
-    _until_one_ready(parts, time.monotonic() + STUCK_AFTER_S)
+    one_out = _until_one_ready(parts, time.monotonic() + STUCK_AFTER_S)
     # (no SIGINT went: the ranks run on, in step; one rank: there is no peer to release)
-    if sent is not None and len(parts) > 1 and not any(p.ready() for p in parts.values()):
+    if sent is not None and len(parts) > 1 and not one_out:
         end = sent + STUCK_AFTER_S + INTERRUPT_GRACE_S
         if end > time.monotonic():
             print(f"Waiting up to {end - time.monotonic():.0f} s for a rank to come out of the "
@@ -270,9 +270,13 @@ def release_left_behind(ar: ipp.AsyncResult, ranks: list[int], control: RankCont
         control.check_in_step()
 
 
-def _until_one_ready(parts: dict[int, ipp.AsyncResult], end: float) -> None:
-    while not any(p.ready() for p in parts.values()) and time.monotonic() < end:
+def _until_one_ready(parts: dict[int, ipp.AsyncResult], end: float) -> bool:
+    """Wait until one part is ready or ``end`` (``time.monotonic()``); whether one is."""
+    while not any(p.ready() for p in parts.values()):
+        if time.monotonic() >= end:
+            return False
         time.sleep(0.05)
+    return True
 
 
 def _soft_stop(
