@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import nbformat
+
+
+def ipc_kernel_options() -> dict[str, str]:
+    """Options for a ``jupyter_client`` kernel manager whose kernel listens on IPC sockets.
+
+    The sockets lie beside a fresh connection file in the user's Jupyter runtime directory
+    (mode 0700). Over TCP the manager picks free ports and the kernel binds them a moment
+    later, and any process's outgoing connection may take one in between: the kernel then
+    dies with "Address already in use" before it replies. IPC sockets have no such gap, and
+    no other user can reach them.
+
+    Example::
+
+        km = KernelManager(kernel_name="python3", **ipc_kernel_options())
+        km.start_kernel()
+    """
+    from jupyter_core.paths import jupyter_runtime_dir
+    from jupyter_core.utils import ensure_dir_exists
+
+    runtime = jupyter_runtime_dir()
+    ensure_dir_exists(runtime, 0o700)
+    name = f"kernel-axon-{uuid.uuid4().hex[:12]}.json"
+    return {"transport": "ipc", "connection_file": os.path.join(runtime, name)}
 
 
 def execute(path: Path, output: Path, *, timeout: int = 600) -> nbformat.NotebookNode:
@@ -20,10 +45,15 @@ def execute(path: Path, output: Path, *, timeout: int = 600) -> nbformat.Noteboo
     """
     import nbformat  # (imported here: 1.3 s, which importing this module need not take)
     from nbclient import NotebookClient
+    from traitlets.config import Config
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": "."}}
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": "."}},
+        config=Config(KernelManager=ipc_kernel_options()),
     )
     try:
         client.execute()

@@ -20,7 +20,6 @@ import kernel_client
 import psutil
 import pytest
 from helpers import wait_gone
-from jupyter_client.manager import start_new_kernel
 from other_users import STRANGER, SYSTEM_PYTHON, as_user, user_env
 from other_users import missing as users_missing
 
@@ -65,7 +64,7 @@ def _processes(record: dict) -> list[int]:
 
 
 def _kernel():
-    km, kc = start_new_kernel(kernel_name="python3")
+    km, kc = kernel_client.start_kernel()
     _ok(kc, "%load_ext axon_nb\nimport axon_nb, time\nfrom models import *")
     return km, kc
 

@@ -1,18 +1,20 @@
-"""Ctrl-C as Jupyter sends it: a real kernel is interrupted while a `%%axon` cell runs."""
+"""Ctrl-C as Jupyter sends it: a real kernel is interrupted while a `%%axon` cell runs. And
+the headless kernels (``make demo``, the tests) are reached on private IPC sockets."""
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
 from queue import Empty
 
 import pytest
-from jupyter_client.manager import start_new_kernel
-from kernel_client import drain, run_cell, shell_reply, wait_for_text
+from kernel_client import drain, run_cell, shell_reply, start_kernel, wait_for_text
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
 def test_kernel_interrupt_stops_the_ranks_and_keeps_the_cluster() -> None:
-    km, kc = start_new_kernel(kernel_name="python3")
+    km, kc = start_kernel()
     try:
         assert run_cell(kc, "%load_ext axon_nb\n%axon_cluster 2 --timeout 60")[0] == "ok"
         loop = (
@@ -38,3 +40,20 @@ def test_kernel_interrupt_stops_the_ranks_and_keeps_the_cluster() -> None:
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=False)
+
+
+def test_headless_kernels_are_reached_on_private_ipc_sockets_not_tcp_ports() -> None:
+    # Over TCP the manager picks free ports and the kernel binds them a moment later; CI saw
+    # another process's connection take one in between ("Address already in use", the kernel
+    # dead before kernel_info). `make demo`, the docs' notebooks and these tests use IPC.
+    km, kc = start_kernel()
+    try:
+        assert run_cell(kc, "print(6 * 7)") == ("ok", "42\n")
+        # (the kernel's own output pipe binds a TCP port atomically; only the channels raced)
+        sockets = sorted(Path(km.connection_file).parent.glob(Path(km.ip).name + "-*"))
+        assert len(sockets) == 5 and all(stat.S_ISSOCK(s.stat().st_mode) for s in sockets)
+        assert Path(km.ip).parent.stat().st_mode & 0o077 == 0  # the runtime dir: owner-only
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert not any(s.exists() for s in sockets)

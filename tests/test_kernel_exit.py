@@ -14,8 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import wait_gone
-from jupyter_client.manager import start_new_kernel
-from kernel_client import run_cell
+from kernel_client import run_cell, start_kernel
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
@@ -41,7 +40,7 @@ def _descendants(pid: int) -> list[int]:
     ],
 )
 def test_kernel_end_takes_every_rank_with_it(ending: str, busy: str, limit: float) -> None:
-    km, kc = start_new_kernel(kernel_name="python3")
+    km, kc = start_kernel()
     try:
         assert run_cell(kc, START)[0] == "ok"
         kernel_pid = km.provisioner.pid

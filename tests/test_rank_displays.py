@@ -12,6 +12,9 @@ from typing import Any
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from traitlets.config import Config
+
+from axon_nb.notebooks import ipc_kernel_options
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
@@ -71,7 +74,13 @@ def executed_notebook(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[dict[str, Any], TimedClient]:
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS.values()])
-    client = TimedClient(nb, timeout=120, kernel_name="python3", store_widget_state=True)
+    client = TimedClient(
+        nb,
+        timeout=120,
+        kernel_name="python3",
+        store_widget_state=True,
+        config=Config(KernelManager=ipc_kernel_options()),
+    )
     client.arrivals = []
     client.execute()
     nbformat.write(nb, tmp_path_factory.mktemp("displays") / "displays.ipynb")
