@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import nbformat
 
+_SOCKET_PATH_MAX = 107  # Linux's sun_path, less its closing NUL
+
 
 def ipc_kernel_options() -> dict[str, str]:
     """Options for a ``jupyter_client`` kernel manager whose kernel listens on IPC sockets.
@@ -20,7 +22,8 @@ def ipc_kernel_options() -> dict[str, str]:
     (mode 0700). Over TCP the manager picks free ports and the kernel binds them a moment
     later, and any process's outgoing connection may take one in between: the kernel then
     dies with "Address already in use" before it replies. IPC sockets have no such gap, and
-    no other user can reach them.
+    no other user can reach them. A runtime directory whose path is too long for a socket's
+    (107 bytes) gives no options: TCP, as jupyter_client does by default.
 
     Example::
 
@@ -32,8 +35,10 @@ def ipc_kernel_options() -> dict[str, str]:
 
     runtime = jupyter_runtime_dir()
     ensure_dir_exists(runtime, 0o700)
-    name = f"kernel-axon-{uuid.uuid4().hex[:12]}.json"
-    return {"transport": "ipc", "connection_file": os.path.join(runtime, name)}
+    connection_file = os.path.join(runtime, f"kernel-axon-{uuid.uuid4().hex[:12]}.json")
+    if len(os.fsencode(connection_file)) > _SOCKET_PATH_MAX - len("-ipc-99"):
+        return {}  # (a socket's path has at most 107 bytes: TCP, jupyter_client's default)
+    return {"transport": "ipc", "connection_file": connection_file}
 
 
 def execute(path: Path, output: Path, *, timeout: int = 600) -> nbformat.NotebookNode:

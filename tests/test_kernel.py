@@ -4,11 +4,14 @@ the headless kernels (``make demo``, the tests) are reached on private IPC socke
 from __future__ import annotations
 
 import stat
+import tempfile
 from pathlib import Path
 from queue import Empty
 
 import pytest
 from kernel_client import drain, run_cell, shell_reply, start_kernel, wait_for_text
+
+from axon_nb.notebooks import ipc_kernel_options
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -57,3 +60,14 @@ def test_headless_kernels_are_reached_on_private_ipc_sockets_not_tcp_ports() -> 
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     assert not any(s.exists() for s in sockets)
+
+
+def test_a_runtime_dir_too_deep_for_a_socket_path_falls_back_to_tcp(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("d" * 40) / ("e" * 40)))
+    assert ipc_kernel_options() == {}
+    with tempfile.TemporaryDirectory(prefix="r") as short:  # (tmp_path may be deep itself)
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", f"{short}/r")
+        options = ipc_kernel_options()
+        assert options["transport"] == "ipc" and Path(short, "r").stat().st_mode & 0o777 == 0o700
