@@ -11,19 +11,23 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import nbformat
+    from jupyter_client.blocking import BlockingKernelClient
+    from jupyter_client.manager import KernelManager
 
-_SOCKET_PATH_MAX = 107  # Linux's sun_path, less its closing NUL
+_SOCKET_PATH_MAX = 107  # a Unix socket's path on Linux (sun_path, less its closing NUL)
+_KERNELS_DIR = "axon-kernels"
 
 
 def ipc_kernel_options() -> dict[str, str]:
     """Options for a ``jupyter_client`` kernel manager whose kernel listens on IPC sockets.
 
-    The sockets lie beside a fresh connection file in the user's Jupyter runtime directory
-    (mode 0700). Over TCP the manager picks free ports and the kernel binds them a moment
-    later, and any process's outgoing connection may take one in between: the kernel then
-    dies with "Address already in use" before it replies. IPC sockets have no such gap, and
-    no other user can reach them. A runtime directory whose path is too long for a socket's
-    (107 bytes) gives no options: TCP, as jupyter_client does by default.
+    The sockets lie beside a fresh connection file in ``<Jupyter runtime dir>/axon-kernels``
+    (made 0700, checked as the detached clusters' directory is). Over TCP the manager picks
+    free ports and the kernel binds them a moment later, and any process's outgoing
+    connection may take one in between: the kernel then dies with "Address already in use"
+    before it replies. IPC sockets have no such gap, and no other user can reach them. A
+    runtime directory others can write to, or one too deep for a socket's path (107 bytes),
+    gives no options: TCP, jupyter_client's default.
 
     Example::
 
@@ -31,14 +35,46 @@ def ipc_kernel_options() -> dict[str, str]:
         km.start_kernel()
     """
     from jupyter_core.paths import jupyter_runtime_dir
-    from jupyter_core.utils import ensure_dir_exists
 
-    runtime = jupyter_runtime_dir()
-    ensure_dir_exists(runtime, 0o700)
-    connection_file = os.path.join(runtime, f"kernel-axon-{uuid.uuid4().hex[:12]}.json")
-    if len(os.fsencode(connection_file)) > _SOCKET_PATH_MAX - len("-ipc-99"):
-        return {}  # (a socket's path has at most 107 bytes: TCP, jupyter_client's default)
-    return {"transport": "ipc", "connection_file": connection_file}
+    from axon_nb.cluster.detached import private_runtime_dir
+    from axon_nb.errors import AxonError
+
+    directory = Path(jupyter_runtime_dir()).absolute() / _KERNELS_DIR
+    connection_file = directory / f"kernel-{uuid.uuid4().hex[:12]}.json"
+    # (the sockets are "<connection file less .json>-ipc-<n>", n counted from 1)
+    if len(os.fsencode(connection_file.with_suffix(""))) + len("-ipc-99") > _SOCKET_PATH_MAX:
+        return {}
+    try:
+        if private_runtime_dir(_KERNELS_DIR) != directory:  # (the runtime dir moved meanwhile)
+            return {}
+    except AxonError:
+        return {}
+    return {"transport": "ipc", "connection_file": str(connection_file)}
+
+
+def start_kernel(startup_timeout: float = 60) -> tuple[KernelManager, BlockingKernelClient]:
+    """Start a ``python3`` kernel and its client, as ``jupyter_client.start_new_kernel``
+    does, on the IPC sockets of :func:`ipc_kernel_options`.
+
+    Example::
+
+        km, kc = start_kernel()
+        kc.execute_interactive("print(1)")
+        km.shutdown_kernel()
+    """
+    from jupyter_client.manager import KernelManager
+
+    km = KernelManager(kernel_name="python3", **ipc_kernel_options())
+    km.start_kernel()
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=startup_timeout)
+    except RuntimeError:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        raise
+    return km, kc
 
 
 def execute(path: Path, output: Path, *, timeout: int = 600) -> nbformat.NotebookNode:

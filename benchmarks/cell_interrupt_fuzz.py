@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from jupyter_client.manager import start_new_kernel
+from axon_nb.notebooks import start_kernel
 
 SETUP = """
 %load_ext axon_nb
@@ -74,7 +74,7 @@ class Kernel:
     """A real IPython kernel with a 2-rank cluster and the calls calibrated to ~1.2 s."""
 
     def __init__(self) -> None:
-        self.km, self.kc = start_new_kernel(kernel_name="python3")
+        self.km, self.kc = start_kernel()
         status, text = run(self.kc, SETUP, timeout=180)
         if status != "ok":
             raise RuntimeError(f"set-up failed: {text}")

@@ -7,34 +7,6 @@ import time
 from queue import Empty
 from typing import Any
 
-from jupyter_client.blocking import BlockingKernelClient
-from jupyter_client.manager import KernelManager
-
-from axon_nb.notebooks import ipc_kernel_options
-
-
-def start_kernel(startup_timeout: float = 60) -> tuple[KernelManager, BlockingKernelClient]:
-    """Start a ``python3`` kernel, as ``jupyter_client.start_new_kernel`` does, on IPC sockets
-    (:func:`axon_nb.notebooks.ipc_kernel_options`): over TCP, a port the manager chose could
-    be taken by another test's connection before the kernel bound it, and the kernel died.
-
-    Example::
-
-        km, kc = start_kernel()
-        status, text = run_cell(kc, "print(1)")
-    """
-    km = KernelManager(kernel_name="python3", **ipc_kernel_options())
-    km.start_kernel()
-    kc = km.client()
-    kc.start_channels()
-    try:
-        kc.wait_for_ready(timeout=startup_timeout)
-    except RuntimeError:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-        raise
-    return km, kc
-
 
 def run_cell(kc: Any, code: str, timeout: float = 120, *, errors: bool = False) -> tuple[str, str]:
     """Execute ``code``; return (status, all stream text, with ``errors`` each error's name
@@ -42,7 +14,7 @@ def run_cell(kc: Any, code: str, timeout: float = 120, *, errors: bool = False) 
 
     Example::
 
-        km, kc = start_kernel()
+        km, kc = start_kernel()  # (axon_nb.notebooks)
         status, text = run_cell(kc, "print(1)")  # ("ok", "1\\n")
     """
     msg_id = kc.execute(code)

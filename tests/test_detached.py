@@ -23,6 +23,8 @@ from helpers import wait_gone
 from other_users import STRANGER, SYSTEM_PYTHON, as_user, user_env
 from other_users import missing as users_missing
 
+from axon_nb.notebooks import start_kernel
+
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 ARGS = "model=make_mlp, data=make_data(), loss={loss}, steps={steps}, batch_size=32, seed=3"
@@ -64,7 +66,7 @@ def _processes(record: dict) -> list[int]:
 
 
 def _kernel():
-    km, kc = kernel_client.start_kernel()
+    km, kc = start_kernel()
     _ok(kc, "%load_ext axon_nb\nimport axon_nb, time\nfrom models import *")
     return km, kc
 

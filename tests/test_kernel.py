@@ -9,9 +9,9 @@ from pathlib import Path
 from queue import Empty
 
 import pytest
-from kernel_client import drain, run_cell, shell_reply, start_kernel, wait_for_text
+from kernel_client import drain, run_cell, shell_reply, wait_for_text
 
-from axon_nb.notebooks import ipc_kernel_options
+from axon_nb.notebooks import ipc_kernel_options, start_kernel
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
@@ -55,19 +55,26 @@ def test_headless_kernels_are_reached_on_private_ipc_sockets_not_tcp_ports() -> 
         # (the kernel's own output pipe binds a TCP port atomically; only the channels raced)
         sockets = sorted(Path(km.connection_file).parent.glob(Path(km.ip).name + "-*"))
         assert len(sockets) == 5 and all(stat.S_ISSOCK(s.stat().st_mode) for s in sockets)
-        assert Path(km.ip).parent.stat().st_mode & 0o077 == 0  # the runtime dir: owner-only
+        assert Path(km.ip).parent.stat().st_mode & 0o077 == 0  # axon-kernels: owner-only
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
     assert not any(s.exists() for s in sockets)
 
 
-def test_a_runtime_dir_too_deep_for_a_socket_path_falls_back_to_tcp(
+def test_a_runtime_dir_too_deep_for_a_socket_path_or_open_to_others_falls_back_to_tcp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("d" * 40) / ("e" * 40)))
-    assert ipc_kernel_options() == {}
+    deep = tmp_path / ("d" * 40) / ("e" * 40)
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(deep))
+    assert ipc_kernel_options() == {} and not deep.exists()
     with tempfile.TemporaryDirectory(prefix="r") as short:  # (tmp_path may be deep itself)
+        open_to_others = Path(short, "shared")
+        open_to_others.mkdir()
+        open_to_others.chmod(0o777)
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(open_to_others))
+        assert ipc_kernel_options() == {}
         monkeypatch.setenv("JUPYTER_RUNTIME_DIR", f"{short}/r")
         options = ipc_kernel_options()
-        assert options["transport"] == "ipc" and Path(short, "r").stat().st_mode & 0o777 == 0o700
+        assert options["transport"] == "ipc"
+        assert Path(short, "r", "axon-kernels").stat().st_mode & 0o777 == 0o700

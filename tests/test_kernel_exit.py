@@ -14,7 +14,9 @@ from pathlib import Path
 import psutil
 import pytest
 from helpers import wait_gone
-from kernel_client import run_cell, start_kernel
+from kernel_client import run_cell
+
+from axon_nb.notebooks import start_kernel
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(180)]
 
