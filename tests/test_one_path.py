@@ -18,7 +18,7 @@ from other_users import STRANGER, SYSTEM_PYTHON, as_user
 from other_users import missing as users_missing
 
 import axon_nb
-from axon_nb.cluster import sending
+from axon_nb.cluster import sending, startup
 from axon_nb.cluster.relay import relay_of
 from axon_nb.rank import entry
 
@@ -202,3 +202,20 @@ def test_a_leader_that_fails_to_pass_work_on_holds_up_no_later_call(
     with pytest.raises(ipp.error.RemoteError, match="KeyError"):
         ar.get(timeout=30)
     pooled_cluster_2.send(_note, "after", ranks=[1]).ar.get(timeout=30)  # (not held)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(180)
+def test_per_rank_calls_merge_into_one_result_even_when_a_part_is_already_in(
+    pooled_cluster_2: axon_nb.Cluster,
+) -> None:
+    """A resize sends each rank its own call and waits on them as one; CI once saw rank 0's
+    part finish before the merge was made, and the client had already forgotten it (a relayed
+    part is dropped from ipyparallel's books once in): ``KeyError: No Future or result``."""
+    client = pooled_cluster_2.client
+    first = sending.dispatch(client, [0], os.getpid)
+    first.get(timeout=30)  # in, and forgotten by the client
+    assert first.msg_ids[0] not in client.results
+    second = sending.dispatch(client, [1], os.getpid)
+    pids = startup.merged(client, [first, second], [0, 1]).get(timeout=30)
+    assert pids == [p["pid"] for p in pooled_cluster_2.ranks]

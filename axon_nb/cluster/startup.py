@@ -314,8 +314,10 @@ def bootstrap_spec(
 
 def merged(client: ipp.Client, ars: list[ipp.AsyncResult], targets: list[int]) -> ipp.AsyncResult:
     """One ``AsyncResult`` over per-rank messages (each rank its own arguments), in
-    ``targets`` order."""
-    return ipp.AsyncResult(client, [m for a in ars for m in a.msg_ids], targets=targets)
+    ``targets`` order. Made of the parts' futures, not their message ids: the client forgets a
+    relayed part once it is in (``relay.Relay._forget``), and one that failed at once (before
+    the next rank's part was even sent) would then be found nowhere."""
+    return ipp.AsyncResult(client, [f for a in ars for f in a._children], targets=targets)
 
 
 def _join_planned_by_kernel(
