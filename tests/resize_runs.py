@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Any
 
@@ -31,6 +32,20 @@ def slow_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """``lm_loss``, 80 ms slower: the resize comes while the run is still training."""
     time.sleep(0.08)
     return lm_loss(output, target)
+
+
+def held_while(path: str):  # type: ignore[no-untyped-def]
+    """``lm_loss`` that waits while the file ``path`` exists (at most 120 s): the run stays in
+    progress until the test removes it, however fast or slow the machine (CI once finished a
+    run of six 80 ms steps before the test's next call)."""
+
+    def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        deadline = time.monotonic() + 120
+        while os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return lm_loss(output, target)
+
+    return loss
 
 
 def slow_until_resized(old: int):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from resize_runs import (
     RUN,
     STEPS,
     equal_to_reference,
+    held_while,
     reference,
     resize_during_run,
     slow_loss,
@@ -107,7 +108,7 @@ def test_between_calls_train_resume_goes_on_at_the_new_size(resizable: Any, caps
         cluster.train(**RUN, steps=1, resume=True, name="other")
 
 
-def test_bad_resizes_are_refused_before_anything_changes(resizable: Any) -> None:
+def test_bad_resizes_are_refused_before_anything_changes(resizable: Any, tmp_path: Path) -> None:
     cluster = resizable
     _resized_to(cluster, 2)
     cluster.train(**RUN, steps=2)
@@ -132,13 +133,19 @@ def test_bad_resizes_are_refused_before_anything_changes(resizable: Any) -> None
     cluster.train(**RUN, strategy=DiLoCo(inner_steps=2), steps=2, name="outer")
     with pytest.raises(ValueError, match="outer loop"):
         cluster.resize(4)
-    # A run in progress on a stream goes on, untouched.
-    handle = cluster.train(**{**RUN, "loss": slow_loss, "data": _stream()}, steps=6,
-                           block=False, name="stream")  # fmt: skip
-    with pytest.raises(ValueError, match="stream"):
-        cluster.resize(4)
-    with pytest.raises(ValueError, match="keep=False would drop it mid-run"):
-        cluster.resize(4, keep=False)
+    # A run in progress on a stream goes on, untouched (held in its first step meanwhile).
+    hold = tmp_path / "hold"
+    hold.touch()
+    handle = cluster.train(**{**RUN, "loss": held_while(str(hold)), "data": _stream()},
+                           steps=6, block=False, name="stream")  # fmt: skip
+    try:
+        with pytest.raises(ValueError, match="stream"):
+            cluster.resize(4)
+        with pytest.raises(ValueError, match="keep=False would drop it mid-run"):
+            cluster.resize(4, keep=False)
+        assert not handle.done
+    finally:
+        hold.unlink()
     assert handle.wait().step == 6 and not handle.wait().resizes
     assert cluster.ranks == before and world_sizes(cluster) == [2, 2]
     # keep=False carries no run over: a size the latest run does not fit is then allowed
