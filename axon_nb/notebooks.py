@@ -45,8 +45,7 @@ def ipc_kernel_options() -> dict[str, str]:
     if len(os.fsencode(connection_file.with_suffix(""))) + len("-ipc-99") > _SOCKET_PATH_MAX:
         return {}
     try:
-        if private_runtime_dir(_KERNELS_DIR) != directory:  # (the runtime dir moved meanwhile)
-            return {}
+        private_runtime_dir(_KERNELS_DIR)  # (made 0700 if missing; refused unless owner-only)
     except AxonError:
         return {}
     return {"transport": "ipc", "connection_file": str(connection_file)}
