@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -9,8 +10,10 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import cluster_pids, wait_gone
@@ -97,12 +100,48 @@ def test_engines_and_controller_never_outlive_their_starter(tmp_path: Path, endi
         proc.kill()
 
 
+def _controller_paused_until_engines_give_up(monkeypatch, engines: int) -> None:
+    """Every start's controller is stopped (SIGSTOP) as its engines are launched, and let go
+    once ``engines`` of them logged that they gave up registering (at most 90 s): no answer
+    can come in time however the engines' threads are scheduled. (A registration timeout of
+    0.1 ms alone was not enough: an engine's main thread, descheduled between its request
+    and its poll, found the answer already there on CI.)"""
+    import ipyparallel as ipp
+
+    from axon_nb.cluster.startup import GAVE_UP
+
+    start_engines = ipp.Cluster.start_engines
+
+    def resume_when_given_up(pid: int, log: str) -> None:
+        deadline = time.monotonic() + 90
+        try:
+            while time.monotonic() < deadline:
+                with contextlib.suppress(OSError):
+                    if Path(log).read_text(errors="replace").count(GAVE_UP) >= engines:
+                        return
+                time.sleep(0.1)
+        finally:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+
+    async def paused_start(self: ipp.Cluster, *args: Any, **kwargs: Any) -> Any:
+        await self.controller.get_connection_info()  # (written by the controller, running)
+        pid = self.controller.process.pid
+        log = self.config.MPIEngineSetLauncher.environment["AXON_NB_ENGINE_LOG"]
+        os.kill(pid, signal.SIGSTOP)
+        threading.Thread(target=resume_when_given_up, args=(pid, log), daemon=True).start()
+        return await start_engines(self, *args, **kwargs)
+
+    monkeypatch.setattr(ipp.Cluster, "start_engines", paused_start)
+
+
 def test_an_engine_that_gives_up_registering_fails_the_start_at_once(monkeypatch) -> None:
     """The mechanism of the "0 of N engines connected" flake: an engine whose registration
     timed out stays alive and never connects. Now the start fails in seconds and says so."""
     from axon_nb.cluster import launchers
 
-    monkeypatch.setattr(launchers, "ENGINE_ARGS", ["--IPEngine.timeout=0.0001"])
+    monkeypatch.setattr(launchers, "ENGINE_ARGS", ["--IPEngine.timeout=0.5"])
+    _controller_paused_until_engines_give_up(monkeypatch, engines=2)
     before = _descendants()
     started = time.monotonic()
     with pytest.raises(axon_nb.ClusterStartError, match="gave up registering"):

@@ -56,12 +56,15 @@ is counted as connected only after a heartbeat, which cost up to 6 s of every st
 is dropped after 30 s without answering a beat (it answers from a thread outside the GIL)."""
 
 
-CONTROLLER_CMD = [sys.executable, "-m", "axon_nb.cluster.controller_process"]
-"""ipyparallel's controller with CurveZMQ, an HMAC key and an owner-only umask."""
+def controller_cmd() -> list[str]:
+    """ipyparallel's controller with CurveZMQ, an HMAC key and an owner-only umask
+    (``cluster/controller_process.py``), with this interpreter as it is when the cluster
+    starts (not when this module was imported)."""
+    return [sys.executable, "-m", "axon_nb.cluster.controller_process"]
 
 
 def configure_controller(cluster: ipp.Cluster, private_dir: Path) -> None:
-    """The controller's command (:data:`CONTROLLER_CMD`) and environment: dask's settings for
+    """The controller's command (:func:`controller_cmd`) and environment: dask's settings for
     the scheduler ``cluster.dask()`` asks it for (TLS with the cluster's certificates in
     ``private_dir``, no HTTP routes, scratch in ``private_dir``).
 
@@ -72,7 +75,7 @@ def configure_controller(cluster: ipp.Cluster, private_dir: Path) -> None:
     profile.mkdir(parents=True, exist_ok=True, mode=0o700)
     os.chmod(profile, 0o700)
     launcher = cluster.config.LocalControllerLauncher
-    launcher.controller_cmd = list(CONTROLLER_CMD)
+    launcher.controller_cmd = controller_cmd()
     launcher.environment = scheduler_environment(cluster_tls(private_dir), private_dir)
 
 

@@ -174,14 +174,7 @@ def _model_source(spec: TrainSpec, state: TrainState) -> Any:
 
 def _let_go(state: TrainState) -> None:
     """Drop this rank's references to the old layout (the ``%%axon`` variable too)."""
-    try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-    except ImportError:
-        shell = None
-    if shell is not None and shell.user_ns.get(state.name) is state.model:
-        del shell.user_ns[state.name]
+    trainstate.forget_variable(state)
     # emptied, not typed as optional: a stored run always has them (the scheduler holds the
     # optimizer); a failed move stores the rebuilt old layout in a new state
     state.parallel = state.optimizer = state.scheduler = None  # type: ignore[assignment]  # let go

@@ -100,10 +100,28 @@ def runs() -> dict[str, TrainState]:
 
 
 def put(state: TrainState) -> None:
-    """Keep ``state`` under its name (a run of that name before it is let go)."""
+    """Keep ``state`` under its name (a run of that name before it is let go, and its
+    ``%%axon`` variable with it: that model would keep its destroyed groups, and their
+    threads, alive through the collection that frees them)."""
+    if _STATES.get(state.name, state) is not state:  # (no local: it would keep it alive)
+        forget_variable(_STATES[state.name])
     _STATES[state.name] = state
     _release_groups()
     _activate(state.name)
+
+
+def forget_variable(state: TrainState) -> None:
+    """Remove the rank's ``%%axon`` variable of ``state`` (``loop.py`` sets it after each
+    call) while it still names this state's model."""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    model = state.parallel.model if state.parallel is not None else None
+    if shell is not None and model is not None and shell.user_ns.get(state.name) is model:
+        del shell.user_ns[state.name]
 
 
 def drop(name: str) -> None:
