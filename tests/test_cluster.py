@@ -198,6 +198,46 @@ def test_ctrl_c_after_ranks_issued_different_collectives_re_forms_the_world(
     assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
 
 
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+class _SwallowsCtrlC:
+    """Ctrl-C delivered while the kernel's main thread runs this deallocator: the handler's
+    KeyboardInterrupt is raised in it and lost ("Exception ignored in"), as CI once saw in
+    pyzmq's ``Frame.__dealloc__`` during a wait."""
+
+    def __del__(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):  # (the handler runs at the next check for signals, in here)
+            pass
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # (the lost one)
+def test_a_ctrl_c_whose_keyboard_interrupt_was_lost_still_interrupts_the_ranks(
+    pooled_cluster_4: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from axon_nb.cluster import waiting
+
+    flush = waiting._flush
+    calls = []
+
+    def flush_then_lose_a_ctrl_c(streams: object) -> None:
+        calls.append(1)
+        if len(calls) == 20:  # (a second into the wait)
+            _SwallowsCtrlC()  # (freed at once, on the main thread)
+        flush(streams)
+
+    monkeypatch.setattr(waiting, "_flush", flush_then_lose_a_ctrl_c)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pooled_cluster_4.run(_sleep, 40)
+    assert len(calls) >= 20
+    assert time.monotonic() - started < 30  # not after the ranks' 40 s
+    monkeypatch.undo()
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
+
+
 def test_a_second_ctrl_c_while_the_world_re_forms_waits_for_it(
     pooled_cluster_4: axon_nb.Cluster, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ipyparallel as ipp
 
@@ -170,3 +170,43 @@ def held_interrupts() -> Iterator[HeldInterrupt]:
         yield held
     finally:
         signal.signal(signal.SIGINT, saved)
+
+
+class WitnessedInterrupt:
+    """Whether a Ctrl-C came (see :func:`witnessed_interrupts`)."""
+
+    arrived = False
+
+
+@contextlib.contextmanager
+def witnessed_interrupts() -> Iterator[WitnessedInterrupt]:
+    """Note each Ctrl-C, then hand it to the handler in force (which raises
+    ``KeyboardInterrupt``), while a wait runs on the main thread.
+
+    Python runs a signal's handler wherever the main thread is: inside a deallocator (pyzmq's
+    ``Frame.__dealloc__`` checks for signals), its ``KeyboardInterrupt`` is printed as
+    "Exception ignored" and lost, and the wait would go on as if no Ctrl-C came. The wait
+    looks at ``arrived`` on each round and raises it then. Nothing is changed where Ctrl-C is
+    ignored or left to the system. Example::
+
+        with witnessed_interrupts() as witness:
+            while not done():
+                if witness.arrived:
+                    raise KeyboardInterrupt  # (its own was swallowed)
+                ...
+    """
+    witness = WitnessedInterrupt()
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield witness
+        return
+
+    def note(signum: int, frame: Any) -> Any:
+        witness.arrived = True
+        return previous(signum, frame)
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield witness
+    finally:
+        signal.signal(signal.SIGINT, previous)

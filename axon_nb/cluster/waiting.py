@@ -15,7 +15,7 @@ from typing import Any, Protocol, TextIO
 import ipyparallel as ipp
 from ipyparallel import error as ipp_error
 
-from axon_nb.cluster.control import held_interrupts
+from axon_nb.cluster.control import held_interrupts, witnessed_interrupts
 from axon_nb.cluster.hangs import HangWatch
 from axon_nb.cluster.rank_displays import LiveOutput
 from axon_nb.errors import AxonError, RankDiedError, RankError
@@ -100,31 +100,34 @@ def wait_for_ranks(
         try:
             if interrupted:
                 raise KeyboardInterrupt
-            while not _all_ready(parts):
-                _flush(streams)
-                if tick is not None:
-                    tick()
-                if hang is not None:
-                    hang.check(_progress(parts))
-                failed = _failed(parts)
-                if failed:
-                    deaths = [r for r in failed if _is_engine_death(parts[r].exception())]
-                    if deaths and not settle_deaths:
+            with witnessed_interrupts() as witness:
+                while not _all_ready(parts):
+                    if witness.arrived:  # (and its KeyboardInterrupt was lost)
+                        raise KeyboardInterrupt
+                    _flush(streams)
+                    if tick is not None:
+                        tick()
+                    if hang is not None:
+                        hang.check(_progress(parts))
+                    failed = _failed(parts)
+                    if failed:
+                        deaths = [r for r in failed if _is_engine_death(parts[r].exception())]
+                        if deaths and not settle_deaths:
+                            break
+                        running = _settle_after_failure(parts, control, streams)
                         break
-                    running = _settle_after_failure(parts, control, streams)
-                    break
-                wait_s = FLUSH_S
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left < 0:
-                        late = _running(parts)
-                        _interrupt(parts, control, late)
-                        raise AxonError(
-                            f"ranks {_fmt(late)} did not finish within {timeout:.0f} s; "
-                            "they were interrupted"
-                        )
-                    wait_s = min(wait_s, left)
-                _wait_all(parts, wait_s)
+                    wait_s = FLUSH_S
+                    if deadline is not None:
+                        left = deadline - time.monotonic()
+                        if left < 0:
+                            late = _running(parts)
+                            _interrupt(parts, control, late)
+                            raise AxonError(
+                                f"ranks {_fmt(late)} did not finish within {timeout:.0f} s; "
+                                "they were interrupted"
+                            )
+                        wait_s = min(wait_s, left)
+                    _wait_all(parts, wait_s)
             wait_for_output(parts, OUTPUT_GRACE_S)
         except KeyboardInterrupt:
             if soft_stop_s is None or not _soft_stop(parts, control, streams, soft_stop_s):
