@@ -55,3 +55,56 @@ def test_trace_steps_outside_the_run_are_refused(pooled_cluster_2: axon_nb.Clust
     with pytest.raises(ValueError, match=r"trace must be \(start_step, steps\)"):
         pooled_cluster_2.train(**RUN, steps=6, trace=3)
     assert pooled_cluster_2.run(lambda: 1) == [1, 1]
+
+
+def _watch_the_profiler_stop() -> None:
+    """(On every rank) record, as each profile stops, whether every all-reduce the loop's
+    agreement posted had finished, and that the agreement was settled just before."""
+    from torch.profiler import profile
+
+    from axon_nb.rank.training.agreement import StepAgreement
+
+    posted: list[Any] = []
+    events: list[str] = []
+    post, wait_posted, stop = StepAgreement.post, StepAgreement.wait_posted, profile.__exit__
+
+    def recording_post(self: StepAgreement, *args: Any, **kwargs: Any) -> None:
+        post(self, *args, **kwargs)
+        posted.extend(p.work for p in self._pending if p.work is not None)
+
+    def recording_wait(self: StepAgreement) -> None:
+        wait_posted(self)
+        events.append("settled")
+
+    def recording_stop(self: profile, *args: Any) -> Any:
+        events.append("stopped" if all(w.is_completed() for w in posted) else "stopped early")
+        return stop(self, *args)
+
+    StepAgreement.post = recording_post  # type: ignore[method-assign]
+    StepAgreement.wait_posted = recording_wait  # type: ignore[method-assign]
+    profile.__exit__ = recording_stop  # type: ignore[method-assign]
+    _watch_the_profiler_stop.events = events  # type: ignore[attr-defined]
+    _watch_the_profiler_stop.undo = lambda: (  # type: ignore[attr-defined]
+        setattr(StepAgreement, "post", post),
+        setattr(StepAgreement, "wait_posted", wait_posted),
+        setattr(profile, "__exit__", stop),
+    )
+
+
+def _profiler_stops_seen() -> list[str]:
+    watch: Any = _watch_the_profiler_stop
+    watch.undo()
+    return watch.events
+
+
+def test_the_profiler_stops_only_once_the_steps_collectives_are_in(
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any
+) -> None:
+    """The loop's agreement leaves each step's all-reduce running on gloo's thread (it is
+    read a step later); the profiler is not safe to stop while that thread records it."""
+    pooled_cluster_2.run(_watch_the_profiler_stop, stream=False)
+    try:
+        pooled_cluster_2.train(**RUN, steps=4, trace=(2, 2), log_dir=tmp_path)
+    finally:
+        seen = pooled_cluster_2.run(_profiler_stops_seen, stream=False)
+    assert seen == [["settled", "stopped"]] * 2

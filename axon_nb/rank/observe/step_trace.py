@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -62,10 +63,15 @@ class StepTrace:
             self._profile = profile(activities=activities, record_shapes=False)
             self._profile.__enter__()
 
-    def after(self, step: int) -> None:
-        """Stop, write the trace and summarise it after the last traced step."""
+    def after(self, step: int, *, settle: Callable[[], None] | None = None) -> None:
+        """Stop, write the trace and summarise it after the last traced step. ``settle``
+        first waits for the collectives the step left running (the loop's agreement): the
+        profiler is not safe to stop while a backend's thread records one (a rank died of a
+        corrupted heap just after ``profiler_stop`` once, in a suite of FSDP on gloo)."""
         if self._profile is None or step != self.first + self.count - 1:
             return
+        if settle is not None:
+            settle()
         if self.cuda:
             torch.cuda.synchronize()
         self._profile.__exit__(None, None, None)

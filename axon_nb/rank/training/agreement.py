@@ -104,6 +104,13 @@ class StepAgreement:
             event.synchronize()
         return summed.tolist(), local.tolist() if isinstance(local, torch.Tensor) else local
 
+    def wait_posted(self) -> None:
+        """Wait until every posted sum is in, leaving them to be taken: none of this
+        agreement's collectives is still running on the backend's threads afterwards."""
+        for posted in self._pending:
+            if posted.work is not None:
+                posted.work.wait()
+
     def __len__(self) -> int:
         """Steps posted and not yet taken."""
         return len(self._pending)

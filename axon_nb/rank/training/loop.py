@@ -223,7 +223,7 @@ class _Loop:
                 self.trace.before(i + 1)
             self.step(microbatches, stop, last=i == self.spec.steps - 1)
             if self.trace is not None:
-                self.trace.after(i + 1)
+                self.trace.after(i + 1, settle=self.agreement.wait_posted)
             if self.stopped:
                 return
         # Only a stream ends before the last step (every rank at the same one).
