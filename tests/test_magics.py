@@ -36,6 +36,20 @@ def test_bad_arguments_are_usage_errors(shell, line: str, message: str) -> None:
         shell.run_line_magic("axon_cluster", line)
 
 
+def test_train_local_twice_leaves_the_users_own_variable_of_the_runs_name(shell) -> None:
+    """In the kernel, ``train_local``'s model is the user's object under the run's default
+    name ``model``: replacing the run must not delete it (only the variable a rank's
+    ``train`` bound for a run goes with it)."""
+    from models import make_data, make_mlp, mse
+
+    model = make_mlp()
+    shell.user_ns["model"] = model
+    for _ in range(2):
+        axon_nb.train_local(model=model, data=make_data, loss=mse, steps=1, batch_size=8)
+    assert shell.user_ns.get("model") is model
+    shell.user_ns.pop("model")
+
+
 def test_unknown_option_is_a_usage_error(shell) -> None:
     with pytest.raises(UsageError, match="unrecognized arguments: --bogus"):
         shell.run_line_magic("axon_cluster", "2 --bogus")

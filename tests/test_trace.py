@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 import axon_nb
-from axon_nb import DDP
+from axon_nb import DDP, AsyncSGD
 from axon_nb.models import GPT, GPTConfig, lm_loss, token_dataset
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
@@ -62,11 +62,13 @@ def _watch_the_profiler_stop() -> None:
     agreement posted had finished, and that the agreement was settled just before."""
     from torch.profiler import profile
 
+    from axon_nb.parallel.async_sgd import StaleGradients, stale_of
     from axon_nb.rank.training.agreement import StepAgreement
 
     posted: list[Any] = []
     events: list[str] = []
     post, wait_posted, stop = StepAgreement.post, StepAgreement.wait_posted, profile.__exit__
+    wait_sent = StaleGradients.wait_sent
 
     def recording_post(self: StepAgreement, *args: Any, **kwargs: Any) -> None:
         post(self, *args, **kwargs)
@@ -76,17 +78,31 @@ def _watch_the_profiler_stop() -> None:
         wait_posted(self)
         events.append("settled")
 
+    def recording_wait_sent(self: StaleGradients) -> None:
+        wait_sent(self)
+        events.append("gradients in")
+
     def recording_stop(self: profile, *args: Any) -> Any:
-        events.append("stopped" if all(w.is_completed() for w in posted) else "stopped early")
+        in_flight = [w for w in posted if not w.is_completed()]
+        in_flight += [  # AsyncSGD's gradients on their way
+            sent[0]
+            for stale in stale_of.values()
+            for step in stale.sent
+            for sent in step.values()
+            if sent[0] is not None and not sent[0].is_completed()
+        ]
+        events.append("stopped early" if in_flight else "stopped")
         return stop(self, *args)
 
     StepAgreement.post = recording_post  # type: ignore[method-assign]
     StepAgreement.wait_posted = recording_wait  # type: ignore[method-assign]
+    StaleGradients.wait_sent = recording_wait_sent  # type: ignore[method-assign]
     profile.__exit__ = recording_stop  # type: ignore[method-assign]
     _watch_the_profiler_stop.events = events  # type: ignore[attr-defined]
     _watch_the_profiler_stop.undo = lambda: (  # type: ignore[attr-defined]
         setattr(StepAgreement, "post", post),
         setattr(StepAgreement, "wait_posted", wait_posted),
+        setattr(StaleGradients, "wait_sent", wait_sent),
         setattr(profile, "__exit__", stop),
     )
 
@@ -97,14 +113,18 @@ def _profiler_stops_seen() -> list[str]:
     return watch.events
 
 
+@pytest.mark.parametrize("strategy", [DDP(), AsyncSGD(staleness=2)], ids=str)
 def test_the_profiler_stops_only_once_the_steps_collectives_are_in(
-    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any
+    pooled_cluster_2: axon_nb.Cluster, tmp_path: Any, strategy: Any
 ) -> None:
     """The loop's agreement leaves each step's all-reduce running on gloo's thread (it is
-    read a step later); the profiler is not safe to stop while that thread records it."""
+    read a step later), AsyncSGD its last steps' gradients; the profiler is not safe to stop
+    while that thread records one."""
     pooled_cluster_2.run(_watch_the_profiler_stop, stream=False)
     try:
-        pooled_cluster_2.train(**RUN, steps=4, trace=(2, 2), log_dir=tmp_path)
+        run = {**RUN, "strategy": strategy}
+        pooled_cluster_2.train(**run, steps=4, trace=(2, 2), log_dir=tmp_path)
     finally:
         seen = pooled_cluster_2.run(_profiler_stops_seen, stream=False)
-    assert seen == [["settled", "stopped"]] * 2
+    settled = ["settled", "gradients in"] if isinstance(strategy, AsyncSGD) else ["settled"]
+    assert seen == [[*settled, "stopped"]] * 2

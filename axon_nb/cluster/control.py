@@ -180,8 +180,8 @@ class WitnessedInterrupt:
 
 @contextlib.contextmanager
 def witnessed_interrupts() -> Iterator[WitnessedInterrupt]:
-    """Note each Ctrl-C, then hand it to the handler in force (which raises
-    ``KeyboardInterrupt``), while a wait runs on the main thread.
+    """Note each Ctrl-C that the handler in force turns into ``KeyboardInterrupt``, while
+    a wait runs on the main thread.
 
     Python runs a signal's handler wherever the main thread is: inside a deallocator (pyzmq's
     ``Frame.__dealloc__`` checks for signals), its ``KeyboardInterrupt`` is printed as
@@ -202,8 +202,11 @@ def witnessed_interrupts() -> Iterator[WitnessedInterrupt]:
         return
 
     def note(signum: int, frame: Any) -> Any:
-        witness.arrived = True
-        return previous(signum, frame)
+        try:
+            return previous(signum, frame)
+        except KeyboardInterrupt:  # (not when that handler held it, or dropped it on purpose)
+            witness.arrived = True
+            raise
 
     signal.signal(signal.SIGINT, note)
     try:

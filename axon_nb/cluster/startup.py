@@ -201,6 +201,16 @@ def wait_for_engines(
             failure = controller_failure(cluster)
             if failure is not None:
                 raise ClusterStartError(failure)
+            # First: an engine that gave up exits a second later (ipyparallel's abort), and
+            # its giving up is the cause to name. (The log is read from a little before the
+            # last read's end: a line split.)
+            if log is not None:
+                text, log_end = log.read_from(log_end - len(GAVE_UP))
+                if GAVE_UP in text:
+                    raise ClusterStartError(
+                        f"an engine gave up registering with the controller ({len(client.ids)} of "
+                        f"{n} engines connected): the controller did not answer in time"
+                    )
             # (an engine forked from the warm process may end before any poll sees it, and
             # ipyparallel may not have noticed its launcher's exit yet)
             launchers = list(cluster.engines.values())
@@ -219,13 +229,6 @@ def wait_for_engines(
                 raise ClusterStartError(
                     f"a rank exited while starting ({len(client.ids)} of {n} engines connected)"
                 )
-            if log is not None:  # (from a little before the last read's end: a line split)
-                text, log_end = log.read_from(log_end - len(GAVE_UP))
-                if GAVE_UP in text:
-                    raise ClusterStartError(
-                        f"an engine gave up registering with the controller ({len(client.ids)} of "
-                        f"{n} engines connected): the controller did not answer in time"
-                    )
             if now - started > timeout:
                 raise ClusterStartError(
                     f"only {len(client.ids)} of {n} engines connected within {timeout:.0f} s"

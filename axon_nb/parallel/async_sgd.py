@@ -52,6 +52,14 @@ class StaleGradients:
         self._this_step: dict[int, Sent] = {}
         self.ready = False
 
+    def wait_sent(self) -> None:
+        """Wait until every step's gradients on their way are in (they stay to be applied):
+        none of their all-reduces is still running on the backend's threads afterwards."""
+        for step in self.sent:
+            for work, *_ in step.values():
+                if work is not None:
+                    work.wait()
+
     @classmethod
     def made_for(cls, config: AsyncSGDConfig | None, group: Any) -> StaleGradients | None:
         """The state for ``config`` over ``group``; None without staleness (plain DDP)."""

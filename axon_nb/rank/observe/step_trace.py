@@ -84,9 +84,12 @@ class StepTrace:
         }
         self._profile = None
 
-    def close(self) -> None:
-        """Stop a profile the call ended inside of (a stop or a failure), writing nothing."""
+    def close(self, *, settle: Callable[[], None] | None = None) -> None:
+        """Stop a profile the call ended inside of (a stop or a failure), writing nothing;
+        ``settle`` as for :meth:`after` (not after a failure: a peer may be gone)."""
         if self._profile is not None:
+            if settle is not None:
+                settle()
             self._profile.__exit__(None, None, None)
             self._profile = None
 

@@ -23,10 +23,11 @@ from axon_nb.metrics.comm import CommMeter
 from axon_nb.metrics.memory import peak_parts
 from axon_nb.metrics.peak import PeakTracker, mark_phase
 from axon_nb.metrics.stream import MetricsPublisher
+from axon_nb.parallel.async_sgd import stale_of
 from axon_nb.rank import runtime
 from axon_nb.rank.checkpoint.checkpoint_schedule import PeriodicCheckpoints
 from axon_nb.rank.observe.step_trace import StepTrace
-from axon_nb.rank.training import model_loss, moved_run
+from axon_nb.rank.training import model_loss, moved_run, trainstate
 from axon_nb.rank.training.agreement import PeerFailed, StepAgreement
 from axon_nb.rank.training.build import Batches, fresh
 from axon_nb.rank.training.evaluation import PeerEvalFailed
@@ -48,7 +49,6 @@ def train_on_rank(
     (every rank, when the run stopped) checkpoints it if a preemption notice came, saying
     where, or returns None."""
     from ipyparallel.datapub import publish_data
-    from IPython import get_ipython
 
     from axon_nb.rank.world.kept_runs import keep_end, kept_sink
 
@@ -64,9 +64,8 @@ def train_on_rank(
         keep_end(spec.name, {"error": (type(e).__name__, str(e), traceback.format_exc())})
         raise
     keep_end(spec.name, summary)
-    shell = get_ipython()
-    if state is not None and shell is not None:
-        shell.user_ns[spec.name] = state.model  # the next %%axon cell can evaluate it
+    if state is not None:
+        trainstate.publish_variable(state)  # the next %%axon cell can evaluate it
     return summary
 
 
@@ -118,6 +117,8 @@ def run(
                 loop.run(batches, stop)
                 if loop.checkpoints is not None:
                     loop.checkpoints.close()
+            if loop.trace is not None:  # (a stop inside the traced steps)
+                loop.trace.close(settle=loop.quiet)
         except BaseException as e:
             loop.publish("failed", error=f"{type(e).__name__}: {e}")
             raise
@@ -212,6 +213,15 @@ class _Loop:
                 run_id=run_id,
             )
 
+    def quiet(self) -> None:
+        """Wait for the collectives a step leaves running (the agreement's sums, AsyncSGD's
+        gradients on their way): the profiler is not safe to stop while gloo's thread
+        records one."""
+        self.agreement.wait_posted()
+        stale = stale_of.get(self.state.model)
+        if stale is not None:
+            stale.wait_sent()
+
     def run(self, batches: Batches, stop: StopSignal) -> None:
         # Step times tile the run (each from where the previous one's was taken): they include
         # loading data, reading agreements and publishing metrics. samples/s is end to end.
@@ -223,7 +233,7 @@ class _Loop:
                 self.trace.before(i + 1)
             self.step(microbatches, stop, last=i == self.spec.steps - 1)
             if self.trace is not None:
-                self.trace.after(i + 1, settle=self.agreement.wait_posted)
+                self.trace.after(i + 1, settle=self.quiet)
             if self.stopped:
                 return
         # Only a stream ends before the last step (every rank at the same one).

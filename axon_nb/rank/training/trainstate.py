@@ -20,6 +20,10 @@ PENDING: set[str] = set()
 """Runs a resize moved to this world and no call has laid out again yet
 (``moved_run.py``): asked for by name, they say so."""
 
+_PUBLISHED: dict[str, int] = {}
+"""Run name -> ``id`` of the model :func:`publish_variable` bound to it (not the model: it
+must not keep it alive)."""
+
 _active: str | None = None
 """The run whose DTensors DTensor's dispatch caches may hold (see :func:`_activate`)."""
 
@@ -110,18 +114,34 @@ def put(state: TrainState) -> None:
     _activate(state.name)
 
 
+def publish_variable(state: TrainState) -> None:
+    """Bind the run's model to its name in the rank's namespace, so the next ``%%axon``
+    cell can evaluate it (a rank's ``train`` does, after each call)."""
+    shell = _shell()
+    if shell is not None:
+        shell.user_ns[state.name] = state.model
+        _PUBLISHED[state.name] = id(state.model)
+
+
 def forget_variable(state: TrainState) -> None:
-    """Remove the rank's ``%%axon`` variable of ``state`` (``loop.py`` sets it after each
-    call) while it still names this state's model."""
+    """Remove the variable :func:`publish_variable` bound for ``state``, while it still
+    names this state's model (a user's own variable of that name is left alone: in the
+    kernel, ``train_local``'s model is the user's object)."""
+    shell = _shell()
+    model = state.parallel.model if state.parallel is not None else None
+    if shell is None or model is None or _PUBLISHED.get(state.name) != id(model):
+        return
+    if shell.user_ns.get(state.name) is model:
+        del shell.user_ns[state.name]
+    del _PUBLISHED[state.name]
+
+
+def _shell() -> Any:
     try:
         from IPython import get_ipython
-
-        shell = get_ipython()
     except ImportError:
-        shell = None
-    model = state.parallel.model if state.parallel is not None else None
-    if shell is not None and model is not None and shell.user_ns.get(state.name) is model:
-        del shell.user_ns[state.name]
+        return None
+    return get_ipython()
 
 
 def drop(name: str) -> None:
