@@ -202,6 +202,17 @@ def _sleep(seconds: float) -> None:
     time.sleep(seconds)
 
 
+def test_a_wait_past_its_timeout_interrupts_the_ranks_and_says_which(
+    pooled_cluster_4: axon_nb.Cluster,
+) -> None:
+    started = time.monotonic()
+    late = r"ranks 0, 1, 2, 3 did not finish within 2 s; they were interrupted"
+    with pytest.raises(axon_nb.AxonError, match=late):
+        pooled_cluster_4.send(_sleep, 40).wait(timeout=2)
+    assert time.monotonic() - started < 30
+    assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
+
+
 class _SwallowsCtrlC:
     """Ctrl-C delivered while the kernel's main thread runs this deallocator: the handler's
     KeyboardInterrupt is raised in it and lost ("Exception ignored in"), as CI once saw in

@@ -116,18 +116,7 @@ def wait_for_ranks(
                             break
                         running = _settle_after_failure(parts, control, streams)
                         break
-                    wait_s = FLUSH_S
-                    if deadline is not None:
-                        left = deadline - time.monotonic()
-                        if left < 0:
-                            late = _running(parts)
-                            _interrupt(parts, control, late)
-                            raise AxonError(
-                                f"ranks {_fmt(late)} did not finish within {timeout:.0f} s; "
-                                "they were interrupted"
-                            )
-                        wait_s = min(wait_s, left)
-                    _wait_all(parts, wait_s)
+                    _wait_all(parts, _next_wait_s(parts, control, deadline, timeout))
             wait_for_output(parts, OUTPUT_GRACE_S)
         except KeyboardInterrupt:
             if soft_stop_s is None or not _soft_stop(parts, control, streams, soft_stop_s):
@@ -138,6 +127,26 @@ def wait_for_ranks(
     finally:  # what the ranks printed last shows, however the wait ends
         if streams is not None:
             streams.finish()
+
+
+def _next_wait_s(
+    parts: dict[int, ipp.AsyncResult],
+    control: RankControl,
+    deadline: float | None,
+    timeout: float | None,
+) -> float:
+    """How long the wait's next round may block: ``FLUSH_S``, or less before ``deadline``.
+    Past it, the ranks still running are interrupted and the wait fails."""
+    if deadline is None:
+        return FLUSH_S
+    left = deadline - time.monotonic()
+    if left < 0:
+        late = _running(parts)
+        _interrupt(parts, control, late)
+        raise AxonError(
+            f"ranks {_fmt(late)} did not finish within {timeout:.0f} s; they were interrupted"
+        )
+    return min(FLUSH_S, left)
 
 
 def _flush(streams: LiveOutput | None) -> None:
