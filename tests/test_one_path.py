@@ -14,6 +14,7 @@ import time
 
 import ipyparallel as ipp
 import pytest
+from helpers import until
 from other_users import STRANGER, SYSTEM_PYTHON, as_user
 from other_users import missing as users_missing
 
@@ -214,8 +215,8 @@ def test_per_rank_calls_merge_into_one_result_even_when_a_part_is_already_in(
     part is dropped from ipyparallel's books once in): ``KeyError: No Future or result``."""
     client = pooled_cluster_2.client
     first = sending.dispatch(client, [0], os.getpid)
-    first.get(timeout=30)  # in, and forgotten by the client
-    assert first.msg_ids[0] not in client.results
+    first.get(timeout=30)  # in, and forgotten by the client (a moment later, on its IO thread)
+    assert until(lambda: first.msg_ids[0] not in client.results, seconds=10)
     second = sending.dispatch(client, [1], os.getpid)
     pids = startup.merged(client, [first, second], [0, 1]).get(timeout=30)
     assert pids == [p["pid"] for p in pooled_cluster_2.ranks]
