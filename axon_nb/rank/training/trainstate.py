@@ -147,9 +147,8 @@ def _shell() -> Any:
 def drop(name: str) -> None:
     """Forget the run ``name`` (its model, optimizer and data go with it); no error if absent."""
     _STATES.pop(name, None)
-    from IPython import get_ipython
-
-    shell = get_ipython()
+    _PUBLISHED.pop(name, None)
+    shell = _shell()
     if shell is not None:
         shell.user_ns.pop(name, None)
     _release_groups()
