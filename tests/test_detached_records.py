@@ -88,3 +88,29 @@ def test_the_last_step_is_read_from_a_long_last_line(tmp_path: Path) -> None:
 def test_sidebar_keys_are_one_per_name() -> None:
     keys = {key_of(n) for n in ("a.b", "a_b", "a_db", "a__b")}
     assert len(keys) == 4 and all(KEY.fullmatch(k) for k in keys)
+
+
+def test_a_signal_ends_the_keepers_nap_at_once() -> None:
+    """A stopping kernel SIGTERMs the keeper and waits for it to exit: the keeper must not
+    sleep out its poll first (it did, for up to a second of every detached stop)."""
+    import signal
+    import threading
+
+    from axon_nb.cluster import keeper
+
+    woken = keeper._wake_on_signals()
+    before = signal.signal(signal.SIGUSR1, lambda *_: None)
+    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        started = time.monotonic()
+        timer.start()
+        keeper._nap(woken, 60.0)
+        assert time.monotonic() - started < 30.0  # (60 s without the wake-up)
+        started = time.monotonic()
+        keeper._nap(woken, 0.1)  # the wake-up was read: the next nap is a whole one
+        assert time.monotonic() - started >= 0.1
+    finally:
+        timer.cancel()
+        os.close(signal.set_wakeup_fd(-1))  # (the pipe's write end)
+        signal.signal(signal.SIGUSR1, before)
+        os.close(woken)

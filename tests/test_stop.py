@@ -6,6 +6,7 @@ engine and nanny) are collected before the stop and must all be gone after it.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -125,8 +126,16 @@ def test_a_clean_stop_is_one_line_and_every_engine_exits_0(shell, capsys) -> Non
     cluster = axon_nb.current_cluster()
     log = cluster.log
     assert log is not None and log.path.stat().st_mode & 0o077 == 0  # owner-only
+    ipc = cluster._ipp
+    assert ipc is not None and ipc.controller is not None
+    files = [ipc.cluster_file, ipc.controller.output_file,
+             *(engines.output_file for engines in ipc.engines.values())]  # fmt: skip
+    assert len(files) == 3 and all(map(os.path.exists, files))
     capsys.readouterr()
     shell.run_line_magic("axon_cluster", "--stop")
+    # ipyparallel's files go, and its exit handler has nothing left to stop
+    assert [f for f in files if os.path.exists(f)] == []
+    assert not ipc.engines and ipc.controller is None
     captured = capsys.readouterr()
     assert captured.out == "Stopped the cluster (2 ranks).\n"
     assert captured.err == ""

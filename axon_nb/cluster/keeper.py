@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import shutil
 import signal
 import sys
@@ -47,6 +48,7 @@ def main(argv: list[str]) -> int:
     roots = [int(p) for p in argv[4].split(",") if p]
     idle_timeout = float(argv[5])
     signal.signal(signal.SIGTERM, _on_term)
+    woken = _wake_on_signals()
     idle_since: float | None = None
     while True:
         if not (root / "cluster.json").exists():
@@ -59,7 +61,7 @@ def main(argv: list[str]) -> int:
             why = None
         if why is not None:
             break
-        time.sleep(POLL_S)
+        _nap(woken, POLL_S)
     print(f"ending the cluster: {why}", flush=True)
     terminate_then_kill(process_tree(roots), roots)
     mpi_leftovers.remove_stale()  # (what its MPI job left in /dev/shm)
@@ -105,6 +107,24 @@ def _sidebar(record: dict[str, Any], runs: list[KeptRun], kernels: list[int]) ->
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGINT)
     return action
+
+
+def _wake_on_signals() -> int:
+    """A pipe's read end that each signal this process gets writes to (so that a SIGTERM
+    ends a nap at once: a stopping kernel waits for this process to exit)."""
+    read_end, write_end = os.pipe()
+    for end in (read_end, write_end):
+        os.set_blocking(end, False)
+    signal.set_wakeup_fd(write_end)
+    return read_end
+
+
+def _nap(woken: int, seconds: float) -> None:
+    """Sleep ``seconds``, or less if a signal comes."""
+    ready, _, _ = select.select([woken], [], [], seconds)
+    if ready:
+        with contextlib.suppress(BlockingIOError):
+            os.read(woken, 512)
 
 
 def _on_term(signum: int, frame: FrameType | None) -> None:

@@ -189,5 +189,27 @@ def end_cluster(ipp_cluster: Any, client: Any, *, ask: bool, busy: bool = False)
     terminate_then_kill(tree, engines, ranks_at_once=not ask)  # (at once if all are gone)
     controller = launcher_pids(ipp_cluster, engines=False)
     terminate_then_kill(process_tree(controller), controller)
+    forget_launchers(ipp_cluster)
+
+
+def forget_launchers(ipp_cluster: Any) -> None:
+    """ipyparallel's record of processes ended here goes: their output files and the
+    cluster file are removed, and its exit handler has nothing left to stop. A batch job's
+    engines (Slurm's) are ended by ipyparallel (``scancel``). Ending the local ones through
+    ``stop_cluster`` instead would signal each again and wait, in a thread of its own, for
+    its watchers to notice: one to two seconds more per stop."""
+    from ipyparallel.cluster.launcher import BatchSystemLauncher
+
+    for set_id, engine_set in list(ipp_cluster.engines.items()):
+        with contextlib.suppress(Exception):
+            if isinstance(engine_set, BatchSystemLauncher):
+                ipp_cluster.stop_engines_sync(set_id)
+            else:
+                engine_set.get_output(remove=True)
+    if ipp_cluster.controller is not None:
+        with contextlib.suppress(Exception):
+            ipp_cluster.controller.get_output(remove=True)
+    ipp_cluster.engines.clear()
+    ipp_cluster.controller = None
     with contextlib.suppress(Exception):
-        ipp_cluster.stop_cluster_sync()  # ipyparallel's files and bookkeeping
+        ipp_cluster.remove_cluster_file()
