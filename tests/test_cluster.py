@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
-from helpers import ctrl_c_when, engine_pids, wait_gone
+from helpers import ctrl_c_when, engine_pids, until, wait_gone
 from helpers import nannies as cluster_nannies
 
 import axon_nb
@@ -305,11 +305,40 @@ def test_killed_engine_is_named_and_restart_recovers(pooled_cluster_4: axon_nb.C
     )  # its last words
     with pytest.raises(axon_nb.ClusterBrokenError, match="rank 3 died \\(its output: "):
         pooled_cluster_4.run(_world)
+    # the rank's parent says in the log what killed it
+    said = f"the engine of this rank (pid {old[3]}) was killed by signal 9 (SIGKILL): sent by"
+    assert until(lambda: said in pooled_cluster_4.log.path.read_text(), 10)
 
     pooled_cluster_4.restart()
     assert wait_gone(old) == []
     assert {o["sum"] for o in pooled_cluster_4.run(_world)} == {10.0}
     assert set(engine_pids(pooled_cluster_4)).isdisjoint(old)
+
+
+def _crash_in_native_code() -> None:
+    """Rank 1 reads address 0 (a segfault, as a bug in an extension's C code gives); rank 0
+    waits."""
+    import ctypes
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        ctypes.string_at(0)
+    time.sleep(60)
+
+
+def test_a_rank_that_crashes_in_native_code_shows_where(pooled_cluster_2: axon_nb.Cluster) -> None:
+    """The error names the rank and shows Python's crash report: the stack it crashed in, the
+    user's function among its frames; the log says which signal ended it."""
+    with pytest.raises(axon_nb.RankDiedError, match="rank 1 died while running") as info:
+        pooled_cluster_2.run(_crash_in_native_code)
+    text = str(info.value)
+    assert "Fatal Python error: Segmentation fault" in text
+    assert "in _crash_in_native_code" in text, text
+    said = "was killed by signal 11 (SIGSEGV)"
+    assert until(lambda: said in pooled_cluster_2.log.path.read_text(), 10)
+    pooled_cluster_2.restart()
+    assert {o["sum"] for o in pooled_cluster_2.run(_world)} == {3.0}
 
 
 def test_a_rank_killed_between_calls_is_named_at_the_next_call(

@@ -74,3 +74,54 @@ def test_a_log_removed_by_another_kernel_while_pruning_does_not_fail_the_start(
     created.close()
     assert created.path.exists()
     assert not old.exists()  # pruning went on past the vanished one
+
+
+def test_an_error_shows_a_ranks_crash_report_from_its_first_line(tmp_path: Path) -> None:
+    """A rank that crashed in native code left Python's crash report (about 40 lines, the
+    frame that crashed near the top): an error shows it from its first line, not the last 15
+    lines of it, and the log's last lines after it; without one, the last 15 lines."""
+    path = tmp_path / "cluster.log"
+    frames = [f'  File "lib{i}.py", line {i} in frame_{i}' for i in range(35)]
+    before = [f"engine line {i}" for i in range(30)]
+    crash = ["Fatal Python error: Segmentation fault", "", "Current thread 0x1 (most recent "
+             "call first):", '  File "/x/model.py", line 7 in my_kernel', *frames]  # fmt: skip
+    after = ["axon_nb: the engine of this rank (pid 12) was killed by signal 11 (SIGSEGV)"]
+    path.write_text("\n".join([*before, *crash, *after]) + "\n")
+    log = logs.ClusterLog(path)
+    try:
+        shown = log.ending().splitlines()
+        assert shown[0] == f"The cluster's log ({path}) ends:"
+        assert shown[1] == "Fatal Python error: Segmentation fault"
+        assert "in my_kernel" in shown[3] and shown[-1] == after[0]
+        # a report longer than an error shows: its start, a gap, and the log's last lines
+        frames = [f'  File "lib{i}.py", line {i} in frame_{i}' for i in range(100)]
+        path.write_text("\n".join([*before, *crash[:4], *frames, *after]) + "\n")
+        shown = log.ending().splitlines()[1:]
+        assert shown[0] == crash[0] and len(shown) == logs.CRASH_LINES + 1 + 15
+        assert shown[logs.CRASH_LINES] == "..." and shown[-15:] == [*frames[-14:], *after]
+        path.write_text("\n".join(before) + "\n")
+        assert log.ending().splitlines()[1:] == before[-15:]
+    finally:
+        log.close()
+
+
+CRASH = """
+import ctypes, os
+from axon_nb.rank.world.engine import report_crashes
+report_crashes()
+read_end, write_end = os.pipe()
+os.dup2(write_end, 2)  # what ipykernel's output stream does to descriptor 2
+def crash_here():
+    ctypes.string_at(0)
+crash_here()
+"""
+
+
+def test_a_ranks_crash_report_goes_to_its_log_after_ipykernel_took_its_stderr() -> None:
+    """An engine's stderr is the cluster's log when it starts; ipykernel then puts a pipe on
+    descriptor 2, read by a thread that dies with the crash. The report goes to the log."""
+    crashed = subprocess.run([sys.executable, "-c", CRASH], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert crashed.returncode == -11
+    assert "Fatal Python error: Segmentation fault" in crashed.stderr
+    assert "in crash_here" in crashed.stderr

@@ -98,6 +98,7 @@ def test_a_signal_ends_the_keepers_nap_at_once() -> None:
 
     from axon_nb.cluster import keeper
 
+    old = signal.set_wakeup_fd(-1)
     woken = keeper._wake_on_signals()
     before = signal.signal(signal.SIGUSR1, lambda *_: None)
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
@@ -111,6 +112,6 @@ def test_a_signal_ends_the_keepers_nap_at_once() -> None:
         assert time.monotonic() - started >= 0.1
     finally:
         timer.cancel()
-        os.close(signal.set_wakeup_fd(-1))  # (the pipe's write end)
+        os.close(signal.set_wakeup_fd(old))  # (the pipe's write end)
         signal.signal(signal.SIGUSR1, before)
         os.close(woken)

@@ -20,6 +20,11 @@ from axon_nb.cluster.stopping import alive
 KEEP = 20
 """How many clusters' logs are kept (older ones are removed when a cluster starts)."""
 
+CRASH_MARK = "Fatal Python error:"
+"""How a rank's crash report begins (``faulthandler``, enabled in ``rank/world/engine.py``)."""
+CRASH_LINES = 60
+"""The most lines of a log an error shows from a crash report on."""
+
 _OPEN: set[Path] = set()
 """The logs of this process's clusters that are not stopped yet."""
 
@@ -86,8 +91,17 @@ class ClusterLog:
 
     def ending(self, lines: int = 15) -> str:
         """The last ``lines`` non-blank lines and where the whole log is, to explain a
-        failure."""
-        tail = [ln for ln in self.tail(200).splitlines() if ln.strip()][-lines:]
+        failure; from the last crash report on instead (a rank's ``Fatal Python error`` and the
+        stack it crashed in, up to :data:`CRASH_LINES`), where one is among them."""
+        recent = [ln for ln in self.tail(200).splitlines() if ln.strip()]
+        last = max(len(recent) - lines, 0)
+        crashes = [i for i, ln in enumerate(recent) if ln.startswith(CRASH_MARK)]
+        if crashes and crashes[-1] < last:  # the report, then the last lines after a gap
+            report = recent[crashes[-1] : crashes[-1] + CRASH_LINES]
+            gap = ["..."] if crashes[-1] + len(report) < last else []
+            tail = report + gap + recent[max(last, crashes[-1] + len(report)) :]
+        else:
+            tail = recent[last:]
         return (
             f"The cluster's log ({self.path}) ends:\n" + "\n".join(tail)
             if tail

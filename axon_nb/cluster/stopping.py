@@ -201,15 +201,19 @@ def forget_launchers(ipp_cluster: Any) -> None:
     from ipyparallel.cluster.launcher import BatchSystemLauncher
 
     for set_id, engine_set in list(ipp_cluster.engines.items()):
-        with contextlib.suppress(Exception):
-            if isinstance(engine_set, BatchSystemLauncher):
+        if isinstance(engine_set, BatchSystemLauncher):
+            # (it forgets the set once cancelled; one it could not cancel stays, for its
+            # exit handler to try again, with the cluster file)
+            with contextlib.suppress(Exception):
                 ipp_cluster.stop_engines_sync(set_id)
-            else:
-                engine_set.get_output(remove=True)
+            continue
+        with contextlib.suppress(Exception):
+            engine_set.get_output(remove=True)
+        ipp_cluster.engines.pop(set_id, None)
     if ipp_cluster.controller is not None:
         with contextlib.suppress(Exception):
             ipp_cluster.controller.get_output(remove=True)
-    ipp_cluster.engines.clear()
     ipp_cluster.controller = None
-    with contextlib.suppress(Exception):
-        ipp_cluster.remove_cluster_file()
+    if not ipp_cluster.engines:
+        with contextlib.suppress(Exception):
+            ipp_cluster.remove_cluster_file()

@@ -14,6 +14,7 @@ engines are. The import runs off the main thread, so a Ctrl-C cannot land inside
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 import threading
@@ -29,6 +30,8 @@ def _import_torch() -> None:
 
 def main() -> None:
     from axon_nb.rank.world.forked_nanny import ForkedNanny
+
+    report_crashes()
 
     nanny = ForkedNanny.fork()  # (first: one thread, no socket yet)
     threading.Thread(target=_import_torch, name="axon-import-torch", daemon=True).start()
@@ -46,6 +49,15 @@ def main() -> None:
     except RuntimeError:
         if not _asked_to_shut_down():
             raise
+
+
+def report_crashes() -> None:
+    """Have a crash in native code (a segfault, an abort) print the Python stack it happened
+    in (the crashing thread's) to this process's stderr as it is now: the cluster's log. Not
+    to what ``sys.stderr`` is at the crash: ipykernel's output stream puts a pipe on
+    descriptor 2, read by a thread of this process, which dies with it unread."""
+    stderr = os.fdopen(os.dup(2), "w")  # (faulthandler keeps it; not inherited)
+    faulthandler.enable(file=stderr, all_threads=False)
 
 
 def _request_engine_id() -> None:

@@ -157,9 +157,38 @@ def main(argv: list[str]) -> int:
         return 0
     # Killed by a signal. Exiting now would close this rank's MPI connection unfinished, on
     # which the process manager ends every other rank: keep the slot until the cluster stops.
-    print(f"axon_nb: engine {child.pid} was killed by signal {-code}", file=sys.stderr, flush=True)
+    _say(f"axon_nb: the engine of this rank (pid {child.pid}) was killed by "
+         f"{_signal_name(-code)}")  # fmt: skip
     _park(stopping)
     return 128 - code
+
+
+def _signal_name(signum: int) -> str:
+    """``signal 9 (SIGKILL)``; SIGKILL's usual senders named too."""
+    try:
+        name = f"signal {signum} ({signal.Signals(signum).name})"
+    except ValueError:
+        return f"signal {signum}"
+    if signum == signal.SIGKILL:
+        name += ": sent by `kill -9`, or by the system's OOM killer when memory ran out"
+    return name
+
+
+def _say(line: str) -> None:
+    """Write ``line`` to the cluster's log, where the kernel's error about this rank shows
+    the log's end (this process's own stderr goes to the MPI launcher's output)."""
+    output = _engine_output()
+    try:
+        if output is not None:
+            os.write(output, (line + "\n").encode())
+            return
+    except OSError:  # (a full disk, say: this parent must go on holding the rank's slot)
+        pass
+    finally:
+        if output is not None:
+            os.close(output)
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
 
 
 def _park(stopping: _Stopping) -> None:
