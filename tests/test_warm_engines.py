@@ -152,12 +152,13 @@ def test_a_bad_request_ends_nothing_and_a_rank_ends_as_under_its_parent() -> Non
         time.sleep(1.0)
         assert parent.is_running() and psutil.pid_exists(engines[1])
         log = cluster.log.path  # type: ignore[union-attr]
+        said = f"the engine of this rank (pid {engines[0]}) was killed by signal 9 (SIGKILL)"
+        assert said in log.read_text()  # (written to the log by the parent, at once)
         # a rank's parent killed (as the OOM killer might): its engine goes with it (MPI's
         # process manager then ends the rest)
         victim = engines[1]
         _rank_parent(victim).kill()
         assert wait_gone([victim], 10) == []
-    assert f"engine {engines[0]} was killed by signal 9" in log.read_text()  # (copied at stop)
 
 
 def _links(pid: int) -> set[str]:
