@@ -97,9 +97,10 @@ def test_a_signal_ends_the_keepers_nap_at_once() -> None:
     import threading
 
     from axon_nb.cluster import keeper
+    from axon_nb.spec.signals import wakeup_pipe
 
     old = signal.set_wakeup_fd(-1)
-    woken = keeper._wake_on_signals()
+    woken, _ = wakeup_pipe()
     before = signal.signal(signal.SIGUSR1, lambda *_: None)
     timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
     try:

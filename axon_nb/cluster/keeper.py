@@ -36,6 +36,7 @@ from axon_nb.cluster.detached import attached, ranks_alive, read_record
 from axon_nb.cluster.reaper import remove_files
 from axon_nb.cluster.stopping import alive, process_tree, terminate_then_kill
 from axon_nb.spec.kept_runs import KeptRun, kept_runs
+from axon_nb.spec.signals import drain, wakeup_pipe
 
 POLL_S = 1.0
 """How often the keeper looks at its cluster."""
@@ -48,7 +49,7 @@ def main(argv: list[str]) -> int:
     roots = [int(p) for p in argv[4].split(",") if p]
     idle_timeout = float(argv[5])
     signal.signal(signal.SIGTERM, _on_term)
-    woken = _wake_on_signals()
+    woken, _ = wakeup_pipe()
     idle_since: float | None = None
     while True:
         if not (root / "cluster.json").exists():
@@ -109,22 +110,11 @@ def _sidebar(record: dict[str, Any], runs: list[KeptRun], kernels: list[int]) ->
     return action
 
 
-def _wake_on_signals() -> int:
-    """A pipe's read end that each signal this process gets writes to (so that a SIGTERM
-    ends a nap at once: a stopping kernel waits for this process to exit)."""
-    read_end, write_end = os.pipe()
-    for end in (read_end, write_end):
-        os.set_blocking(end, False)
-    signal.set_wakeup_fd(write_end)
-    return read_end
-
-
 def _nap(woken: int, seconds: float) -> None:
-    """Sleep ``seconds``, or less if a signal comes."""
-    ready, _, _ = select.select([woken], [], [], seconds)
-    if ready:
-        with contextlib.suppress(BlockingIOError):
-            os.read(woken, 512)
+    """Sleep ``seconds``, or less if a signal comes (``woken``: ``wakeup_pipe``'s read end;
+    a stopping kernel SIGTERMs this process and waits for it to exit)."""
+    if select.select([woken], [], [], seconds)[0]:
+        drain(woken)
 
 
 def _on_term(signum: int, frame: FrameType | None) -> None:

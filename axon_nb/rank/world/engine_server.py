@@ -42,6 +42,7 @@ from axon_nb.rank.world.forked_engine import ENGINE_MODULE
 from axon_nb.rank.world.launch import kill_tree, set_death_signal
 from axon_nb.spec.notice_signal import ENV as NOTICE_ENV
 from axon_nb.spec.notice_signal import notice_signum
+from axon_nb.spec.signals import drain, wakeup_pipe
 from axon_nb.spec.warm_engines import engines_dir, socket_path
 
 PARENT_POLL_S = 0.5
@@ -165,10 +166,7 @@ class _Server:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ)
         # SIGCHLD wakes the loop through this pipe (an engine ended: reap it at once).
-        self.wake_r, self.wake_w = os.pipe()
-        for fd in (self.wake_r, self.wake_w):
-            os.set_blocking(fd, False)
-        signal.set_wakeup_fd(self.wake_w)
+        self.wake_r, self.wake_w = wakeup_pipe()
         signal.signal(signal.SIGCHLD, lambda signum, frame: None)
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
         self.selector.register(self.wake_r, selectors.EVENT_READ)
@@ -187,8 +185,7 @@ class _Server:
                 if key.fileobj is self.listener:
                     self._accept()
                 elif key.fileobj == self.wake_r:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self.wake_r, 4096)
+                    drain(self.wake_r)
                 elif isinstance(key.fileobj, socket.socket):  # (a parent's connection)
                     self._closed(key.fileobj)
             self._reap()

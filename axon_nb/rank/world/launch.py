@@ -178,14 +178,13 @@ def _say(line: str) -> None:
     """Write ``line`` to the cluster's log, where the kernel's error about this rank shows
     the log's end (this process's own stderr goes to the MPI launcher's output)."""
     output = _engine_output()
-    try:
-        if output is not None:
+    if output is not None:
+        try:
             os.write(output, (line + "\n").encode())
             return
-    except OSError:  # (a full disk, say: this parent must go on holding the rank's slot)
-        pass
-    finally:
-        if output is not None:
+        except OSError:  # (a full disk, say: this parent must go on holding the rank's slot)
+            pass
+        finally:
             os.close(output)
     with contextlib.suppress(OSError, ValueError):
         print(line, file=sys.stderr, flush=True)
